@@ -1,0 +1,168 @@
+"""The exception tree, split by who is at fault.
+
+::
+
+    GymRayError
+    ├── UsageError (ValueError)        the caller's misuse: fix the input and try again
+    │   ├── ConfigError                a config key is missing, mistyped or contradictory
+    │   │   └── RoutingError           a row/agent cannot be routed to exactly one environment server
+    │   ├── InputError                 a row or input file is malformed (names file+line or row)
+    │   ├── ValidationError            rows disagree with the running config (unknown agent, pairing)
+    │   └── ResumeError                a run folder cannot be resumed with these inputs/config
+    ├── ServerError                    the outside world: an environment/head server misbehaved
+    │   ├── ServerConnectionError      no connection / no answer
+    │   ├── ServerHTTPError            an error status (``status``, ``body_excerpt``)
+    │   ├── ServerResponseError        a 200 reply that is not what the protocol says
+    │   └── AggregationError           one or more /aggregate_metrics calls failed
+    ├── RecordError                    the run folder could not be written
+    │   ├── ShardLockError (RuntimeError)   another writer opened the shard since this one did
+    │   └── ShardIOError (OSError)     a write or fsync failed; the shard is failed, never retried
+    ├── NoProgressError                nothing finished for N seconds (liveness)
+    ├── RunRejectedError               a strict run left unfinished work; no score is published
+    └── InternalError                  a gym_ray bug: please report it
+
+Every exception here is picklable (arguments are plain data, ``__reduce__`` keeps them), so a
+worker actor can raise it and the driver receives the same type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GymRayError(Exception):
+    """Root of every error gym_ray raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only attributes would be lost by BaseException's default pickling.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[GymRayError], args: tuple[Any, ...], state: dict[str, Any]) -> GymRayError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, *args)
+    exc.__dict__.update(state)
+    return exc
+
+
+class UsageError(GymRayError, ValueError):
+    """The caller's misuse: bad config, bad rows, bad arguments."""
+
+
+class ConfigError(UsageError):
+    """A config key is missing, mistyped or contradictory. ``key`` names its dotted path."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class RoutingError(ConfigError):
+    """A row or agent cannot be routed to exactly one environment server."""
+
+
+class InputError(UsageError):
+    """A row or input file is malformed. ``path``/``line`` or ``row`` locate it."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        line: int | None = None,
+        row: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.line = line
+        self.row = row
+
+
+class ValidationError(UsageError):
+    """Rows disagree with the running config. ``problems`` lists every offending row/name."""
+
+    def __init__(self, message: str, *, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = list(problems or [])
+
+
+class ResumeError(UsageError):
+    """A run folder cannot be resumed with these inputs or this config."""
+
+
+class ServerError(GymRayError):
+    """An environment or head server misbehaved."""
+
+    def __init__(self, message: str, *, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class ServerConnectionError(ServerError):
+    """No connection could be made, or the connection broke before a full reply."""
+
+
+class ServerHTTPError(ServerError):
+    """The server answered an error status."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        status: int,
+        body_excerpt: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message, url=url)
+        self.status = status
+        self.body_excerpt = body_excerpt
+        self.retry_after_s = retry_after_s
+
+
+class ServerResponseError(ServerError):
+    """A reply that is not what the protocol says (bad JSON, not an object, reserved keys)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        status: int | None = None,
+        body_excerpt: str | None = None,
+    ) -> None:
+        super().__init__(message, url=url)
+        self.status = status
+        self.body_excerpt = body_excerpt
+
+
+class AggregationError(ServerError):
+    """One or more ``/aggregate_metrics`` calls failed. ``servers`` maps server -> error text."""
+
+    def __init__(self, message: str, *, servers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.servers = dict(servers or {})
+
+
+class RecordError(GymRayError):
+    """The run folder could not be written."""
+
+
+class ShardLockError(RecordError, RuntimeError):
+    """Another writer opened the same shard since this one did; this writer may not append."""
+
+
+class ShardIOError(RecordError, OSError):
+    """A write or fsync on a shard failed. The shard is failed; fsync is never retried."""
+
+
+class NoProgressError(GymRayError):
+    """No rollout finished for ``stalled_s`` seconds while work was in flight."""
+
+
+class RunRejectedError(GymRayError):
+    """A strict run left unfinished work, so no score is published."""
+
+
+class InternalError(GymRayError):
+    """A gym_ray bug. Please report it with the traceback."""
