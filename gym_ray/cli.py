@@ -84,5 +84,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 # command runs so that `gym-ray --help` stays fast and does not import Ray.
 # (Modules add their registration line here when they land.)
 
+
+def _serve_args(parser: argparse.ArgumentParser) -> None:
+    _config_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind every server to")
+    parser.add_argument(
+        "--advertise-host", default=None, help="host written into the published config (default: --host)"
+    )
+
+
+register("serve", "gym_ray.servers.launch:serve_main", _serve_args)
+
+
+def _status_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="the run folder")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+
+
+def _aggregate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="the run folder")
+    _config_args(parser)
+
+
+register("status", "gym_ray.status:status_main", _status_args)
+register("aggregate", "gym_ray.status:aggregate_main", _aggregate_args)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,65 @@
+"""gym_ray's reference servers: a head server, an example environment and a verifier, with faults.
+
+They are the demo's environment and the test tool every other module's tests use::
+
+    async with serve_config(load_bundled_config()) as deployment:
+        ...  # deployment.head_url, deployment.url_of("arith_env"), deployment.stats("arith_env")
+
+Modules: ``launch`` (``serve_config``, ``start_in_thread``, ``gym-ray serve``), ``head``,
+``example_env`` (``/run``), ``example_resources`` (``/verify``), ``metrics``
+(``compute_aggregate_metrics``), ``policy`` (the simulated solver), ``faults``, ``stats``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gym_ray.servers.launch import Deployment, ThreadedDeployment, serve_config, start_in_thread
+from gym_ray.servers.metrics import compute_aggregate_metrics
+from gym_ray.servers.stats import ServerStats
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+
+__all__ = [
+    "Deployment",
+    "ServerStats",
+    "ThreadedDeployment",
+    "bundled_config_path",
+    "bundled_dataset_path",
+    "compute_aggregate_metrics",
+    "load_bundled_config",
+    "serve_config",
+    "start_in_thread",
+]
+
+
+def bundled_dataset_path(name: str = "arithmetic") -> Path:
+    """Absolute path of a bundled JSONL dataset (``gym_ray/servers/data/<name>.jsonl``)."""
+    return _PACKAGE_DIR / "servers" / "data" / f"{name}.jsonl"
+
+
+def bundled_config_path(name: str = "demo") -> Path:
+    """Absolute path of a bundled config (``gym_ray/configs/<name>.yaml``).
+
+    Dataset paths inside a bundled config are relative to the config file; ``load_bundled_config``
+    makes them absolute.
+    """
+    return _PACKAGE_DIR / "configs" / f"{name}.yaml"
+
+
+def load_bundled_config(name: str = "demo") -> dict[str, Any]:
+    """A bundled config as a plain dict, with every relative ``datasets[].jsonl_fpath`` made absolute."""
+    import yaml
+
+    path = bundled_config_path(name)
+    cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+    for value in cfg.values():
+        for inner in value.values() if isinstance(value, dict) else ():
+            for fields in inner.values() if isinstance(inner, dict) else ():
+                datasets = fields.get("datasets") if isinstance(fields, dict) else None
+                for entry in datasets if isinstance(datasets, list) else ():
+                    fpath = entry.get("jsonl_fpath") if isinstance(entry, dict) else None
+                    if isinstance(fpath, str) and not Path(fpath).is_absolute():
+                        entry["jsonl_fpath"] = str((path.parent / fpath).resolve())
+    return dict(cfg)

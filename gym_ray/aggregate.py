@@ -1,0 +1,626 @@
+"""Aggregate metrics once per environment server, and the strict run's completion rejection.
+
+``aggregate_metrics`` groups persisted successes by the environment server each rollout ran through
+(its ``_ng_environment_server`` stamp, else the front of its agent), strips the heavy fields, POSTs
+``{"verify_responses": [...]}`` to every server's ``/aggregate_metrics`` concurrently and writes one JSON
+list with one entry per server (PROTOCOL.md section 5).
+
+Differences from NeMo Gym 0.7, on purpose:
+
+* Entries are ordered by server name, not by completion order, so two runs over the same results write
+  byte-identical files.
+* A server whose call failed keeps an entry with empty collections and ``"aggregation_error"``; the
+  other servers' metrics are saved before any error is raised.
+
+Memory: ``results`` is consumed once, as a stream (typically the merged ``rollouts.jsonl``); only the
+stripped entries are held (reward, usage, identity keys: a few hundred bytes per success).
+Durability: the metrics file is replaced atomically (temp file, fsync, rename, fsync of the folder).
+Concurrency: one task per server in an ``asyncio.TaskGroup``; each task records its own outcome;
+cancellation cancels every request and propagates.
+
+Order: callers decide ``completion_rejection`` *before* computing the aggregate, so a rejected run
+publishes no score.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pydantic
+
+from gym_ray import keys
+from gym_ray._internal.atomic import atomic_write_bytes
+from gym_ray._internal.jsonl import JsonlReader
+from gym_ray.errors import (
+    AggregationError,
+    GymRayError,
+    InputError,
+    RecordError,
+    RunRejectedError,
+    ServerResponseError,
+    UsageError,
+    ValidationError,
+)
+
+if TYPE_CHECKING:
+    from gym_ray.client import ServerClient
+    from gym_ray.topology import Topology
+
+__all__ = [
+    "AGGREGATE_FILE_NAME",
+    "AggregateEntry",
+    "AggregateMetricsReply",
+    "aggregate_metrics",
+    "aggregate_run",
+    "completion_rejection",
+    "label_runs",
+    "raise_for_aggregation_errors",
+    "raise_for_completion_rejection",
+    "strip_for_aggregation",
+]
+
+#: Name of the metrics file inside a run folder.
+AGGREGATE_FILE_NAME = "rollouts_aggregate_metrics.json"
+_MERGED_FILE_NAME = "rollouts.jsonl"
+_AGGREGATE_PATH = "/aggregate_metrics"
+
+
+class AggregateMetricsReply(pydantic.BaseModel):
+    """The body ``/aggregate_metrics`` answers with (NeMo Gym's ``AggregateMetrics``).
+
+    Unknown keys are ignored; ``perf_summary: null`` is the same as an absent ``perf_summary``.
+    """
+
+    model_config = pydantic.ConfigDict(extra="ignore", frozen=True)
+
+    group_level_metrics: list[dict[str, Any]]
+    agent_metrics: dict[str, Any]
+    key_metrics: dict[str, Any]
+    repeat_level_metrics: list[dict[str, Any]] | None = None
+    perf_summary: dict[str, Any] | None = None
+
+
+class AggregateEntry(pydantic.BaseModel):
+    """One entry of the metrics file: one environment server's metrics, or its aggregation error.
+
+    ``to_json()`` gives the file's shape: ``agent_ref``, ``_ng_environment_server``, ``agent_metrics``,
+    ``key_metrics``, ``group_level_metrics``, then ``repeat_level_metrics`` / ``perf_summary`` /
+    ``aggregation_error`` when set.
+    """
+
+    model_config = pydantic.ConfigDict(frozen=True)
+
+    agent_ref: dict[str, str]
+    environment_server: str = pydantic.Field(
+        validation_alias=pydantic.AliasChoices(keys.ENVIRONMENT_SERVER, "environment_server"),
+        serialization_alias=keys.ENVIRONMENT_SERVER,
+    )
+    agent_metrics: dict[str, Any] = pydantic.Field(default_factory=dict)
+    key_metrics: dict[str, Any] = pydantic.Field(default_factory=dict)
+    group_level_metrics: list[dict[str, Any]] = pydantic.Field(default_factory=list)
+    repeat_level_metrics: list[dict[str, Any]] | None = None
+    perf_summary: dict[str, Any] | None = None
+    aggregation_error: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The run label (``agent_ref.name``)."""
+        return self.agent_ref["name"]
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry as written to the file (absent optional keys are left out)."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+# --- labels -------------------------------------------------------------------------------------------
+
+
+def label_runs(agents_by_server: Mapping[str, str | None]) -> dict[str, str]:
+    """Label each environment server's metrics: the agent name when it identifies one server.
+
+    A server is labelled with its agent's name when that agent labels no other server and the name
+    does not clash with another entry's label; otherwise (shared agent, clash, no agent) with its own
+    name. Example (NeMo Gym 0.7 ``label_runs``)::
+
+        >>> label_runs({"env_a": "ag1", "env_b": "ag1", "env_c": "ag2", "env_multi": None})
+        {'env_a': 'env_a', 'env_b': 'env_b', 'env_c': 'ag2', 'env_multi': 'env_multi'}
+
+    Args:
+        agents_by_server: environment server -> the agent it ran (or ``None``).
+
+    Returns:
+        environment server -> label, in the mapping's order; labels are unique.
+    """
+    uses: dict[str, int] = {}
+    for agent in agents_by_server.values():
+        if agent is not None:
+            uses[agent] = uses.get(agent, 0) + 1
+    by_agent = {s for s, a in agents_by_server.items() if a is not None and uses[a] == 1}
+    # A label that equals another server's name would be ambiguous; fall back until stable.
+    while True:
+        fixed = {s for s in agents_by_server if s not in by_agent}
+        clashing = {s for s in by_agent if agents_by_server[s] in fixed}
+        if not clashing:
+            break
+        by_agent -= clashing
+    return {s: (a if s in by_agent and a is not None else s) for s, a in agents_by_server.items()}
+
+
+# --- stripping ----------------------------------------------------------------------------------------
+
+
+def strip_for_aggregation(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The copy of a result that ``/aggregate_metrics`` receives.
+
+    Drops ``keys.HEAVY_RESULT_KEYS`` (``response``, ``responses_create_params``, ``ng_trajectory``,
+    ``ng_model_call_capture``, ``ng_agent_observations``), then puts back ``response.usage`` and
+    ``response.incomplete_details`` when they are present and not ``None``. Every other key, including
+    ``ng_perf`` and the ``_ng_*`` identity keys, stays. The input is not modified.
+    """
+    stripped = {k: v for k, v in result.items() if k not in keys.HEAVY_RESULT_KEYS}
+    response = result.get(keys.RESPONSE)
+    if isinstance(response, Mapping):
+        kept = {k: response[k] for k in keys.KEPT_RESPONSE_KEYS if response.get(k) is not None}
+        if kept:
+            stripped[keys.RESPONSE] = kept
+    return stripped
+
+
+def _sort_key(row: Mapping[str, Any]) -> tuple[int, int]:
+    task = row.get(keys.TASK_INDEX)
+    rollout = row.get(keys.ROLLOUT_INDEX)
+    return (task if isinstance(task, int) else 0, rollout if isinstance(rollout, int) else 0)
+
+
+def _agent_name(row: Mapping[str, Any]) -> str | None:
+    ref = row.get(keys.AGENT_REF)
+    if isinstance(ref, Mapping):
+        name = ref.get("name")
+        if isinstance(name, str):
+            return name
+    return None
+
+
+def _row_label(row: Mapping[str, Any], position: int) -> str:
+    return f"result #{position} (task {row.get(keys.TASK_INDEX)}, rollout {row.get(keys.ROLLOUT_INDEX)})"
+
+
+_MAX_LISTED = 20
+
+
+class _Grouping:
+    """Streams results into per-server lists of stripped entries; remembers the first agent per server.
+
+    Rows that cannot be grouped are collected (not raised one by one) so that one error lists them all.
+    """
+
+    def __init__(self, topology: Topology) -> None:
+        self._topology = topology
+        self._known = set(topology.environment_servers())
+        # Configs without environment servers: an agent is its own front (PROTOCOL.md section 1).
+        for agent in topology.agents():
+            with contextlib.suppress(GymRayError):
+                if topology.front_of(agent) == agent:
+                    self._known.add(agent)
+        self.entries: dict[str, list[dict[str, Any]]] = {}
+        self.first_agent: dict[str, str | None] = {}
+        self._unknown: dict[str, str] = {}  # unknown stamp -> first row that carries it
+        self._unattributable: list[str] = []
+        self._unattributable_count = 0
+
+    def add(self, result: Mapping[str, Any], position: int) -> None:
+        if result.get(keys.NO_PERSIST) or result.get(keys.FAILURE_CLASS) is not None:
+            return  # only persisted successes are aggregated
+        server = self._server_of(result, position)
+        if server is None:
+            return
+        if server not in self.entries:
+            agent = _agent_name(result)
+            if agent is None and server in self._topology.environment_servers():
+                agent = self._topology.attributed_agent(server)
+            self.entries[server] = []
+            self.first_agent[server] = agent
+        self.entries[server].append(strip_for_aggregation(result))
+
+    def _server_of(self, result: Mapping[str, Any], position: int) -> str | None:
+        stamp = result.get(keys.ENVIRONMENT_SERVER)
+        if stamp is not None:
+            if isinstance(stamp, str) and stamp in self._known:
+                return stamp
+            self._unknown.setdefault(str(stamp), _row_label(result, position))
+            return None
+        agent = _agent_name(result)
+        try:
+            if agent is not None:
+                return self._topology.front_of(agent)
+            # Materialized task rows carry no agent: their taskset's route (or legacy mode's server).
+            return self._topology.environment_server_for_row(result)
+        except GymRayError as exc:
+            self._unattributable_count += 1
+            if len(self._unattributable) < _MAX_LISTED:
+                self._unattributable.append(f"{_row_label(result, position)}: {exc}")
+            return None
+
+    def raise_problems(self) -> None:
+        if self._unknown:
+            names = ", ".join(repr(name) for name in self._unknown)
+            first = "; ".join(f"{name!r} first at {row}" for name, row in self._unknown.items())
+            raise ValidationError(
+                f"Result rows are stamped with environment server {names}, which is not in the running "
+                f"config (available: {sorted(self._known)}); aggregate with the config that produced "
+                f"them ({first})",
+                problems=[
+                    f"{row}: {keys.ENVIRONMENT_SERVER}={name!r}" for name, row in self._unknown.items()
+                ],
+            )
+        if self._unattributable:
+            more = self._unattributable_count - len(self._unattributable)
+            raise ValidationError(
+                f"{self._unattributable_count} result row(s) have no {keys.ENVIRONMENT_SERVER} stamp and "
+                "cannot be attributed to an environment server; aggregate results recorded by gym_ray "
+                "(they carry the stamp), or give the rows agent_ref.name: "
+                + " | ".join(self._unattributable)
+                + (f" | ... and {more} more" if more else ""),
+                problems=list(self._unattributable),
+            )
+
+
+# --- the calls ----------------------------------------------------------------------------------------
+
+
+def _validate_reply(server: str, reply: Any) -> AggregateMetricsReply:
+    try:
+        return AggregateMetricsReply.model_validate(reply)
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<body>'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ServerResponseError(
+            f"/aggregate_metrics on {server!r} answered a body that is not AggregateMetrics "
+            f"({problems}); the server must answer group_level_metrics (list), agent_metrics (object) "
+            "and key_metrics (object)",
+            body_excerpt=json.dumps(reply, default=str)[:2000],
+        ) from exc
+
+
+class _Outcome:
+    __slots__ = ("error", "reply")
+
+    def __init__(self) -> None:
+        self.reply: AggregateMetricsReply | None = None
+        self.error: Exception | None = None
+
+
+async def _call_one(
+    client: ServerClient, server: str, verify_responses: list[dict[str, Any]], outcome: _Outcome
+) -> None:
+    # Each task reports its own outcome instead of raising, so one failed server does not make the
+    # TaskGroup cancel the others. CancelledError is a BaseException and propagates.
+    try:
+        reply = await client.post_json(server, _AGGREGATE_PATH, {"verify_responses": verify_responses})
+        outcome.reply = _validate_reply(server, reply)
+    except Exception as exc:
+        outcome.error = exc
+
+
+def _entry(server: str, label: str, outcome: _Outcome) -> AggregateEntry:
+    agent_ref = {"name": label}
+    if outcome.reply is None:
+        error = outcome.error
+        text = f"{type(error).__name__}: {error}" if error is not None else "InternalError: no reply"
+        return AggregateEntry(agent_ref=agent_ref, environment_server=server, aggregation_error=text)
+    reply = outcome.reply
+    return AggregateEntry(
+        agent_ref=agent_ref,
+        environment_server=server,
+        agent_metrics=reply.agent_metrics,
+        key_metrics=reply.key_metrics,
+        group_level_metrics=reply.group_level_metrics,
+        repeat_level_metrics=reply.repeat_level_metrics,
+        perf_summary=reply.perf_summary,
+    )
+
+
+def _group(results: Iterable[Mapping[str, Any]], topology: Topology) -> _Grouping:
+    grouping = _Grouping(topology)
+    for position, result in enumerate(results):
+        grouping.add(result, position)
+    grouping.raise_problems()
+    return grouping
+
+
+async def aggregate_metrics(
+    results: Iterable[Mapping[str, Any]],
+    topology: Topology,
+    client: ServerClient,
+    *,
+    output_path: str | os.PathLike[str],
+    raise_on_error: bool = True,
+) -> Path | None:
+    """Call ``/aggregate_metrics`` on each environment server the results ran through; write one file.
+
+    Results without ``_ng_environment_server`` are attributed to the environment server that fronts
+    their agent (materialized task rows: the route of their taskset). Failure records
+    (``_ng_failure_class``) and never-persisted rows (``_ng_no_persist``) are skipped. Each server
+    receives its results stripped (``strip_for_aggregation``) and sorted by (task, rollout); the
+    servers are called concurrently, once each.
+
+    The file is a JSON list (indent 2) with one ``AggregateEntry`` per server, ordered by server name.
+    A server whose call failed keeps an entry with empty collections and
+    ``"aggregation_error": "<ExceptionType>: <message>"``.
+
+    Example::
+
+        rows = (record for _, record in JsonlReader(run_dir / "rollouts.jsonl"))
+        path = await aggregate_metrics(rows, topology, client,
+                                       output_path=run_dir / "rollouts_aggregate_metrics.json")
+
+    Args:
+        results: recorded results (dicts), consumed once.
+        topology: the running config (the one that produced the results).
+        client: the client the servers are called through.
+        output_path: the metrics file to write (replaced atomically).
+        raise_on_error: after saving the file, re-raise the first failed server's original exception
+            (servers in name order; the same object, traceback kept). With ``False`` the call returns
+            normally; use ``raise_for_aggregation_errors`` for one summary error.
+
+    Returns:
+        The path written, or ``None`` (and no file) when there is no success to aggregate.
+
+    Raises:
+        ValidationError: results stamped with servers absent from ``topology``, or results that cannot
+            be attributed to any environment server; every one is listed (raised before any request).
+        ServerError: with ``raise_on_error``, the first server's failure (``ServerHTTPError``,
+            ``ServerConnectionError``, ``ServerResponseError`` for a reply of the wrong shape).
+    """
+    # Reading (often a file) and writing run in a worker thread so the event loop stays responsive.
+    grouping = await asyncio.to_thread(_group, results, topology)
+    if not grouping.entries:
+        return None
+    servers = sorted(grouping.entries)
+    labels = label_runs({s: grouping.first_agent[s] for s in servers})
+    outcomes = {s: _Outcome() for s in servers}
+    async with asyncio.TaskGroup() as group:
+        for server in servers:
+            body = sorted(grouping.entries.pop(server), key=_sort_key)
+            group.create_task(
+                _call_one(client, server, body, outcomes[server]), name=f"aggregate_metrics[{server}]"
+            )
+    entries = [_entry(s, labels[s], outcomes[s]) for s in servers]
+    path = Path(output_path)
+    await asyncio.to_thread(_atomic_write_json, path, [e.to_json() for e in entries])
+    errors = [error for s in servers if (error := outcomes[s].error) is not None]
+    if errors and raise_on_error:
+        raise errors[0]
+    # A non-gym_ray exception is a bug, not a server failure: never leave it only in the file.
+    bugs = [error for error in errors if not isinstance(error, GymRayError)]
+    if bugs:
+        raise bugs[0]
+    return path
+
+
+def _read_entries(path_or_entries: str | os.PathLike[str] | Iterable[Any]) -> list[AggregateEntry]:
+    source: Any = path_or_entries
+    if isinstance(path_or_entries, str | os.PathLike):
+        path = Path(path_or_entries)
+        try:
+            source = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(source, list):
+                raise ValueError(f"a JSON {type(source).__name__}, not a list of entries")
+        except (OSError, ValueError) as exc:
+            raise InputError(
+                f"cannot read the metrics file {path}: {exc}; run `gym-ray aggregate` to write it again",
+                path=str(path),
+            ) from exc
+    entries = []
+    for index, item in enumerate(source):
+        try:
+            entries.append(item if isinstance(item, AggregateEntry) else AggregateEntry.model_validate(item))
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            raise InputError(
+                f"aggregate entry #{index} is not an aggregate entry: {first['msg']} at {first['loc']}",
+                row=index,
+            ) from exc
+    return entries
+
+
+def raise_for_aggregation_errors(path_or_entries: str | os.PathLike[str] | Iterable[Any]) -> None:
+    """Raise one ``AggregationError`` naming every server whose ``/aggregate_metrics`` failed.
+
+    Args:
+        path_or_entries: the metrics file, or its entries (dicts or ``AggregateEntry``).
+
+    Raises:
+        AggregationError: ``servers`` maps each failed server to its ``aggregation_error`` text.
+        InputError: the file cannot be read or is not a list of entries.
+    """
+    failed = {
+        e.environment_server: e.aggregation_error
+        for e in _read_entries(path_or_entries)
+        if e.aggregation_error is not None
+    }
+    if not failed:
+        return
+    listing = "; ".join(f"{server}: {text}" for server, text in failed.items())
+    raise AggregationError(
+        f"/aggregate_metrics failed on {len(failed)} environment server(s): {listing}. The metrics of "
+        "the other servers are saved; fix the server(s) and run `gym-ray aggregate RUN_DIR CONFIG` again",
+        servers=failed,
+    )
+
+
+def _iter_records(path: Path) -> Iterator[dict[str, Any]]:
+    # Strict: a corrupt line in the merged file is an error naming file and line, not a silent gap.
+    for _, record in JsonlReader(path, strict=True, missing_ok=False):
+        yield record
+
+
+def _merged_file(folder: Path) -> Path | None:
+    if not folder.is_dir():
+        raise UsageError(f"run folder {folder} does not exist; pass the folder a run wrote")
+    merged = folder / _MERGED_FILE_NAME
+    if not merged.exists():
+        from gym_ray.merge import merge_shards
+
+        merge_shards(folder)
+    return merged if merged.exists() else None
+
+
+async def aggregate_run(
+    run_dir: str | os.PathLike[str],
+    topology: Topology,
+    client: ServerClient,
+    *,
+    raise_on_error: bool = False,
+) -> Path | None:
+    """Aggregate a run folder: read ``rollouts.jsonl`` (merging the shards first when it is missing).
+
+    Writes ``<run_dir>/rollouts_aggregate_metrics.json``. The merged file is streamed.
+
+    Args:
+        run_dir: the run folder.
+        topology: the config that produced the run.
+        client: the client the servers are called through.
+        raise_on_error: see ``aggregate_metrics``; by default failures stay in the file (call
+            ``raise_for_aggregation_errors`` on the returned path).
+
+    Returns:
+        The metrics file, or ``None`` when the run has no success.
+    """
+    folder = Path(run_dir)
+    merged = await asyncio.to_thread(_merged_file, folder)
+    if merged is None:
+        return None
+    return await aggregate_metrics(
+        _iter_records(merged),
+        topology,
+        client,
+        output_path=folder / AGGREGATE_FILE_NAME,
+        raise_on_error=raise_on_error,
+    )
+
+
+def _atomic_write_json(path: Path, value: Any) -> None:
+    data = (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, data)
+    except OSError as exc:
+        raise RecordError(
+            f"cannot write the metrics file {path}: {exc}; free space or fix permissions, then run "
+            "`gym-ray aggregate RUN_DIR CONFIG` again"
+        ) from exc
+
+
+# --- completion rejection -------------------------------------------------------------------------------
+
+
+def completion_rejection(
+    *,
+    expected: int,
+    completed: int,
+    final_zero_rows: int = 0,
+    can_retry: bool,
+    made_progress: bool,
+    strict: bool,
+) -> RunRejectedError | None:
+    """The error that rejects a strict run's unfinished work, or ``None``.
+
+    Omissions alongside completed rollouts are allowed: when nothing left can be retried (terminal
+    failures, attempts used up), a strict run that completed at least one rollout is accepted.
+    Collection decides this *before* it computes the aggregate, so a rejected run publishes no score.
+
+    Decision, with ``settled = completed + final_zero_rows``:
+
+    * not ``strict``, or ``settled >= expected``: ``None``.
+    * nothing can be retried (``can_retry=False``): ``None`` when ``settled > 0`` (omissions are
+      allowed); rejected when no rollout completed at all.
+    * retryable work left and this attempt made progress: rejected, the message says to resume.
+    * retryable work left but no progress: rejected, the message says another attempt as-is would not
+      help and to fix the cause first.
+
+    Drivers must pass ``can_retry`` (some unfinished rollout can still run again) and
+    ``made_progress`` (this invocation saved outcomes that settled rollouts, not just interruptions)
+    truthfully: assuming either can restart a driver forever that has no work left or makes no progress.
+
+    Args:
+        expected: rollouts planned (materialized input rows).
+        completed: distinct rollouts with a persisted success.
+        final_zero_rows: failure rows that settle their rollout as a scored zero (resume does not run
+            them again, so they count as completed). Pass 0 when ``completed`` already counts them.
+        can_retry: whether any unfinished rollout can still be retried.
+        made_progress: whether this invocation saved outcomes that made progress.
+        strict: whether the run requires completion (``require_complete``).
+
+    Returns:
+        The ``RunRejectedError`` to raise, or ``None``.
+
+    Raises:
+        UsageError: a negative count.
+    """
+    if min(expected, completed, final_zero_rows) < 0:
+        raise UsageError(
+            f"completion_rejection: counts must be >= 0, got expected={expected}, completed={completed}, "
+            f"final_zero_rows={final_zero_rows}"
+        )
+    if not strict:
+        return None
+    settled = completed + final_zero_rows
+    if settled >= expected:
+        return None
+    unfinished = expected - settled
+    done = f"{settled}/{expected} rollouts completed"
+    if final_zero_rows:
+        done += f" ({final_zero_rows} of them failures scored as zero)"
+    if not can_retry:
+        if settled > 0:
+            return None
+        return RunRejectedError(
+            f"RUN REJECTED: {done}; none of the {expected} planned rollouts completed and none can be "
+            "retried, so no score is published. Inspect the failures sidecars (`gym-ray status RUN_DIR`), "
+            "fix the servers or inputs, then start a fresh run"
+        )
+    if made_progress:
+        return RunRejectedError(
+            f"RUN REJECTED: {done}; {unfinished} unfinished rollout(s) can still be retried, so no score "
+            "is published yet. Resume the run (run the same config with the same run folder) to finish "
+            "them; only the unfinished rollouts run again"
+        )
+    return RunRejectedError(
+        f"RUN REJECTED: {done}; {unfinished} unfinished rollout(s) can still be retried, but this attempt "
+        "saved no outcome that made progress, so another attempt as-is would not help. Inspect the "
+        "failures (`gym-ray status RUN_DIR`) and the environment servers, fix the cause, then resume"
+    )
+
+
+def raise_for_completion_rejection(
+    *,
+    expected: int,
+    completed: int,
+    final_zero_rows: int = 0,
+    can_retry: bool,
+    made_progress: bool,
+    strict: bool,
+) -> None:
+    """Raise the strict run's rejection, if any; see ``completion_rejection`` for the arguments.
+
+    Raises:
+        RunRejectedError: the run is rejected.
+    """
+    rejection = completion_rejection(
+        expected=expected,
+        completed=completed,
+        final_zero_rows=final_zero_rows,
+        can_retry=can_retry,
+        made_progress=made_progress,
+        strict=strict,
+    )
+    if rejection is not None:
+        raise rejection

@@ -1,0 +1,721 @@
+"""Collection of a whole config: plan shards, run each shard, finalize the run.
+
+These are the building blocks the Ray actors reuse: a single-process run and a distributed run execute the
+same ``plan_run``, ``run_shard`` and ``finalize_run``; Ray only decides which process runs which shard.
+
+Durability promises (see RELIABILITY.md):
+
+- Planning validates every row before anything is written to the run folder or dispatched: shards are cut
+  into a staging folder and moved into place only when the whole input was read and validated, so bad input
+  never leaves a half-written run folder.
+- Planning is deterministic: the same input and settings cut the same shards. A rerun on the same folder
+  re-plans, checks that every existing shard's materialized inputs are byte-identical to the new cut (else
+  :class:`~gym_ray.errors.ResumeError`), and keeps them; only what is missing is dispatched.
+- ``run_shard`` opens the shard's writer with a new token (a zombie writer of the same shard fails on its
+  next append), runs only what ``plan_resume`` says is missing, and appends each outcome as soon as it
+  arrives: a rollout reported as done is on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from gym_ray import keys
+from gym_ray._internal.atomic import atomic_write_bytes
+from gym_ray._internal.tasks import first_error
+from gym_ray.aggregate import aggregate_run, raise_for_aggregation_errors, raise_for_completion_rejection
+from gym_ray.client import ServerClient, fetch_global_config
+from gym_ray.config import RunSettings, load_config
+from gym_ray.dispatch import dispatch
+from gym_ray.errors import ResumeError, UsageError
+from gym_ray.merge import merge_shards
+from gym_ray.outcomes import CompletedRollout, RolloutFailureRecord, build_record
+from gym_ray.preprocess import iter_preprocess, load_jsonl, validate_rows
+from gym_ray.records import ShardManifest, ShardWriter
+from gym_ray.resume import plan_resume
+from gym_ray.topology import Topology
+
+RUN_MANIFEST = "run_manifest.json"
+SUMMARY_FILE = "rollouts_summary.json"
+DEFAULT_SHARD_SIZE = 1000
+
+OutcomeHook = Callable[[dict[str, Any], dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A unit of work: one shard of a run folder, already planned on disk."""
+
+    run_dir: str
+    shard: str
+    run_id: str
+    config_identity: str | None
+    num_rows: int
+
+
+class ShardReport(BaseModel):
+    """What running one shard did. Crosses Ray actor boundaries (plain, picklable data)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    shard: str
+    planned: int
+    already_done: int
+    dispatched: int
+    succeeded: int
+    failed: int
+    failed_by_class: dict[str, int]
+    omitted: int
+    wall_s: float
+    worker: str | None = None
+
+
+class RunPlan(BaseModel):
+    """The planned shards of a run folder."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_dir: str
+    run_id: str
+    config_identity: str | None
+    planned: int
+    shards: tuple[ShardSpec, ...]
+    resumed: bool
+
+
+class RunResult(BaseModel):
+    """The outcome of a whole collection: where things are, what happened, the headline metrics."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_dir: str
+    run_id: str
+    rollouts_path: str
+    failures_path: str
+    metrics_path: str | None
+    summary_path: str
+    planned: int
+    succeeded: int
+    failed: int
+    failed_by_class: dict[str, int]
+    omitted: int
+    dispatched: int
+    already_done: int
+    wall_s: float
+    rollouts_per_s: float
+    num_workers: int
+    key_metrics: dict[str, dict[str, Any]]
+    aggregation_errors: dict[str, str]
+
+
+# --------------------------------------------------------------------------------------------------
+# planning
+
+
+def _shard_label(index: int) -> str:
+    return f"{index:05d}"
+
+
+def _row_line(row: Mapping[str, Any]) -> bytes:
+    return (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+def _read_run_manifest(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / RUN_MANIFEST
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ResumeError(
+            f"{path} is not a readable run manifest ({exc}); move the folder aside or pass a new output_dir"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ResumeError(
+            f"{path} does not hold a JSON object; move the folder aside or pass a new output_dir"
+        )
+    return data
+
+
+def plan_run(
+    rows: Iterable[dict[str, Any]],
+    run_dir: str | os.PathLike[str],
+    *,
+    config_identity: str | None,
+    shard_size: int | None = None,
+    max_rollout_attempts: int = 3,
+    run_id: str | None = None,
+) -> RunPlan:
+    """Cut preprocessed, validated rows into shards of contiguous rows and write them to ``run_dir``.
+
+    A task's rollouts stay in one shard when they are contiguous in ``rows`` (``preprocess_examples``
+    emits them so unless ``interleave_repeats`` is set). Memory holds one shard at a time.
+
+    Args:
+        rows: Preprocessed rows carrying ``_ng_task_index`` and ``_ng_rollout_index``. Validation errors
+            raised while iterating leave the run folder untouched.
+        run_dir: The run folder; created if missing.
+        config_identity: Digest of the config that decides results (``Topology.identity_digest``).
+        shard_size: Rows per shard (cut at the next task boundary after this many rows).
+        max_rollout_attempts: Recorded in each shard manifest.
+        run_id: A fresh run's id; ignored when the folder already holds a run (its id is kept).
+
+    Returns:
+        The plan: one :class:`ShardSpec` per shard, in input order.
+
+    Raises:
+        ResumeError: The folder holds a run whose config identity or inputs differ from these.
+    """
+    size = shard_size or DEFAULT_SHARD_SIZE
+    if size < 1:
+        raise UsageError(f"shard_size must be >= 1, got {size}")
+    root = Path(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    existing = _read_run_manifest(root)
+    if existing is not None:
+        old_identity = existing.get("config_identity")
+        if old_identity and config_identity and old_identity != config_identity:
+            raise ResumeError(
+                f"{root} was collected with another configuration (identity {old_identity[:12]}..., now "
+                f"{config_identity[:12]}...): servers, routing or sampling settings changed. Resume with the "
+                "config that started the run, or pass a new output_dir"
+            )
+        run_id = str(existing["run_id"])
+    run_id = run_id or uuid.uuid4().hex[:12]
+
+    staging = root / f".staging-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        staged = _stage_shards(rows, staging, size)
+        specs = _commit_shards(
+            staged,
+            staging,
+            root,
+            run_id=run_id,
+            config_identity=config_identity,
+            max_rollout_attempts=max_rollout_attempts,
+            expected_shards=existing.get("num_shards") if existing else None,
+        )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    planned = sum(spec.num_rows for spec in specs)
+    manifest = {
+        "run_id": run_id,
+        "config_identity": config_identity,
+        "num_shards": len(specs),
+        "planned": planned,
+        "shard_size": size,
+        "created_at": existing.get("created_at") if existing else time.time(),
+    }
+    atomic_write_bytes(root / RUN_MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    return RunPlan(
+        run_dir=str(root),
+        run_id=run_id,
+        config_identity=config_identity,
+        planned=planned,
+        shards=tuple(specs),
+        resumed=existing is not None,
+    )
+
+
+def _stage_shards(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> list[tuple[str, int, str]]:
+    """Write each shard's rows to ``staging``; returns (label, rows, sha256) per shard."""
+    staged: list[tuple[str, int, str]] = []
+    index = 0
+    count = 0
+    last_task: Any = object()
+    digest = hashlib.sha256()
+    out = None
+    try:
+        for position, row in enumerate(rows):
+            task = row.get(keys.TASK_INDEX)
+            if out is not None and count >= size and task != last_task:
+                out.close()
+                staged.append((_shard_label(index), count, digest.hexdigest()))
+                index, count, out = index + 1, 0, None
+            if out is None:
+                out = open(staging / f"{_shard_label(index)}.jsonl", "wb")
+                digest = hashlib.sha256()
+            if not isinstance(task, int) or not isinstance(row.get(keys.ROLLOUT_INDEX), int):
+                raise UsageError(
+                    f"row {position} has no integer {keys.TASK_INDEX}/{keys.ROLLOUT_INDEX}; "
+                    "pass rows through preprocess_examples before planning a run"
+                )
+            line = _row_line(row)
+            out.write(line)
+            digest.update(line)
+            count += 1
+            last_task = task
+        if out is not None:
+            out.close()
+            out = None
+            staged.append((_shard_label(index), count, digest.hexdigest()))
+    finally:
+        if out is not None:
+            out.close()
+    return staged
+
+
+def _commit_shards(
+    staged: list[tuple[str, int, str]],
+    staging: Path,
+    root: Path,
+    *,
+    run_id: str,
+    config_identity: str | None,
+    max_rollout_attempts: int,
+    expected_shards: int | None,
+) -> list[ShardSpec]:
+    if expected_shards is not None and expected_shards != len(staged):
+        raise ResumeError(
+            f"{root} holds a run of {expected_shards} shards, but these inputs cut into {len(staged)}: the "
+            "input rows or shard_size changed. Resume with the same inputs and shard_size, or pass a new "
+            "output_dir"
+        )
+    specs: list[ShardSpec] = []
+    for label, num_rows, digest in staged:
+        writer = ShardWriter(root, label, run_id=run_id, config_identity=config_identity)
+        inputs_path = writer.paths.materialized_inputs
+        if inputs_path.exists():
+            if _file_sha256(inputs_path) != digest:
+                raise ResumeError(
+                    f"shard {label} of {root} was planned from other inputs ({inputs_path} differs from "
+                    "the rows these inputs give): resume with the same input file and settings, or pass a "
+                    "new output_dir"
+                )
+        else:
+            inputs_path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / f"{label}.jsonl", inputs_path)
+            with writer:
+                writer.write_manifest(
+                    ShardManifest.build(
+                        run_id=run_id,
+                        shard=label,
+                        config_identity=config_identity,
+                        inputs_path=inputs_path,
+                        max_rollout_attempts=max_rollout_attempts,
+                    )
+                )
+        specs.append(
+            ShardSpec(
+                run_dir=str(root),
+                shard=label,
+                run_id=run_id,
+                config_identity=config_identity,
+                num_rows=num_rows,
+            )
+        )
+    return specs
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# running one shard
+
+
+async def run_shard(
+    spec: ShardSpec,
+    *,
+    client: ServerClient,
+    topology: Topology,
+    settings: RunSettings,
+    semaphore: asyncio.Semaphore | None = None,
+    on_outcome: OutcomeHook | None = None,
+    worker: str | None = None,
+) -> ShardReport:
+    """Run what is missing from one shard and record every outcome through the shard's locked writer.
+
+    Args:
+        spec: The shard, planned on disk by :func:`plan_run`.
+        client: The HTTP client pool of this process.
+        topology: The running config.
+        settings: The run's settings (concurrency, budget, attempts cap, retries).
+        semaphore: Shared across the shards one worker runs at once, so the concurrency window stays
+            full across shard boundaries.
+        on_outcome: Called with ``(row, record)`` after each record is on disk (streams, progress).
+        worker: A name for reports.
+
+    Returns:
+        What this call did; ``dispatched == 0`` when the shard was already complete.
+
+    Raises:
+        ShardLockError: A newer writer opened the shard while this call ran (this call is the zombie).
+        ShardIOError: A write or fsync failed; the shard is failed and resumable.
+    """
+    started = time.monotonic()
+    writer = ShardWriter(
+        spec.run_dir,
+        spec.shard,
+        run_id=spec.run_id,
+        config_identity=spec.config_identity,
+    )
+    writer.open()
+    failed_by_class: Counter[str] = Counter()
+    succeeded = failed = omitted = 0
+    try:
+        plan = plan_resume(
+            spec.run_dir,
+            spec.shard,
+            max_rollout_attempts=settings.max_rollout_attempts,
+            config_identity=spec.config_identity,
+        )
+        pending = plan.pending
+        completions = dispatch(
+            pending,
+            client,
+            topology,
+            semaphore=semaphore,
+            max_resident_tasks=settings.max_resident_tasks,
+            dispatch_budget_s=settings.dispatch_budget_s,
+            drain_margin_s=settings.drain_margin_s,
+            route_failures_to_sidecar=settings.route_failures_to_sidecar,
+            retry_requests=settings.retry_requests,
+        )
+        try:
+            async for row, outcome in completions:
+                record = _record_of(row, outcome)
+                written = writer.append(record)
+                if written is None:
+                    omitted += 1
+                elif keys.FAILURE_CLASS in record:
+                    failed += 1
+                    failed_by_class[str(record[keys.FAILURE_CLASS])] += 1
+                else:
+                    succeeded += 1
+                if on_outcome is not None:
+                    on_outcome(row, record)
+        finally:
+            await completions.aclose()
+        writer.write_progress()
+    finally:
+        writer.close()
+    return ShardReport(
+        shard=spec.shard,
+        planned=spec.num_rows,
+        already_done=spec.num_rows - len(pending),
+        dispatched=len(pending),
+        succeeded=succeeded,
+        failed=failed,
+        failed_by_class=dict(failed_by_class),
+        omitted=omitted,
+        wall_s=time.monotonic() - started,
+        worker=worker,
+    )
+
+
+def _record_of(row: dict[str, Any], outcome: CompletedRollout | RolloutFailureRecord) -> dict[str, Any]:
+    """What recording writes for one outcome: a failure row, or the result with the row's identity."""
+    if isinstance(outcome, RolloutFailureRecord):
+        return outcome.to_row()
+    return build_record(
+        row,
+        outcome.result,
+        environment_server=outcome.environment_server,
+        result_type=outcome.environment_server_type,
+    )
+
+
+async def run_shards(
+    next_spec: Callable[[], Awaitable[ShardSpec | None]],
+    *,
+    client: ServerClient,
+    topology: Topology,
+    settings: RunSettings,
+    parallel_shards: int = 2,
+    on_report: Callable[[ShardReport], Awaitable[None]] | None = None,
+    on_outcome: OutcomeHook | None = None,
+    worker: str | None = None,
+) -> list[ShardReport]:
+    """Run shards as ``next_spec`` hands them out until it returns None; the loop of one worker.
+
+    ``parallel_shards`` lanes pull shards and share one semaphore of ``max_resident_tasks`` requests, so
+    the concurrency window stays full while one shard drains its tail and the next one starts. Live
+    rollout tasks stay below ``parallel_shards * max_resident_tasks``.
+    """
+    semaphore = asyncio.Semaphore(settings.max_resident_tasks)
+    reports: list[ShardReport] = []
+
+    async def lane() -> None:
+        while (spec := await next_spec()) is not None:
+            report = await run_shard(
+                spec,
+                client=client,
+                topology=topology,
+                settings=settings,
+                semaphore=semaphore,
+                on_outcome=on_outcome,
+                worker=worker,
+            )
+            reports.append(report)
+            if on_report is not None:
+                await on_report(report)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(max(1, parallel_shards)):
+                group.create_task(lane())
+    except BaseExceptionGroup as group_error:
+        raise first_error(group_error) from None
+    return reports
+
+
+# --------------------------------------------------------------------------------------------------
+# config and inputs
+
+
+def resolve_run_config(
+    config: Mapping[str, Any] | str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    overrides: Iterable[str] = (),
+    settings: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The merged global config of a run: YAML file(s) or a dict, then overrides, then keyword settings.
+
+    Args:
+        config: A config dict, a YAML path, or several YAML paths merged in order.
+        overrides: ``key=value`` / ``+key=value`` / ``++key=value`` (YAML paths only).
+        settings: Top-level run settings (``output_dir``, ``num_repeats``, ...) that win over the config.
+
+    Returns:
+        A plain dict (a copy: the caller's dict is never mutated).
+    """
+    overrides = list(overrides)
+    if isinstance(config, Mapping):
+        if overrides:
+            raise UsageError(
+                "overrides apply to YAML config files; for a config dict pass settings as keyword "
+                "arguments (e.g. output_dir='runs/r1')"
+            )
+        cfg: dict[str, Any] = json.loads(json.dumps(config))
+    else:
+        paths = [config] if isinstance(config, str | os.PathLike) else list(config)
+        cfg = load_config(paths, overrides)
+    for key, value in (settings or {}).items():
+        cfg[key] = value
+    return cfg
+
+
+async def resolve_topology(cfg: dict[str, Any], *, client_timeout_s: float = 30.0) -> Topology:
+    """The topology of a run: the config's own server instances, or the head server's when it has none.
+
+    A config that names only ``head_server`` (a running NeMo Gym deployment) is completed from the head's
+    ``/global_config_dict_yaml``; the run settings of ``cfg`` win over the head's.
+    """
+    local = Topology.from_config(cfg)
+    if local.instances or local.head_url is None:
+        return local
+    remote = await fetch_global_config(local.head_url, timeout_s=client_timeout_s)
+    merged = dict(remote)
+    merged.update({k: v for k, v in cfg.items() if k not in remote or k != keys.HEAD_SERVER})
+    merged[keys.HEAD_SERVER] = cfg[keys.HEAD_SERVER]
+    return Topology.from_config(merged)
+
+
+def input_rows(
+    settings: RunSettings,
+    topology: Topology,
+    rows: Iterable[Mapping[str, Any]] | None = None,
+) -> Callable[[], Iterator[dict[str, Any]]]:
+    """A re-iterable source of the run's preprocessed rows (the input is read once per call).
+
+    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``.
+    """
+    if rows is None:
+        if settings.input_jsonl_fpath is None:
+            raise UsageError(
+                "no input rows: set input_jsonl_fpath in the config (+input_jsonl_fpath=rows.jsonl) "
+                "or pass rows"
+            )
+        path = settings.input_jsonl_fpath
+
+        def source() -> Iterable[Mapping[str, Any]]:
+            return load_jsonl(path)
+    else:
+        if iter(rows) is rows:
+            raise UsageError("rows must be a re-iterable collection (a list), not a one-shot iterator")
+        fixed = rows
+
+        def source() -> Iterable[Mapping[str, Any]]:
+            return fixed
+
+    def preprocessed() -> Iterator[dict[str, Any]]:
+        return iter_preprocess(
+            source(),
+            agent_map=settings.agent_map,
+            fan_out=settings.fan_out,
+            num_repeats=settings.num_repeats,
+            num_repeats_add_seed=settings.num_repeats_add_seed,
+            interleave_repeats=settings.interleave_repeats,
+            task_ids=settings.task_ids,
+            responses_create_params=settings.responses_create_params,
+            topology=topology,
+        )
+
+    return preprocessed
+
+
+def prepare_run(
+    cfg: dict[str, Any],
+    topology: Topology,
+    *,
+    rows: Iterable[Mapping[str, Any]] | None = None,
+) -> RunPlan:
+    """Validate every input row against the config, then plan the run folder (no dispatch).
+
+    Two streaming passes over the input: the first validates (every problem reported together, before
+    anything is written), the second cuts and writes shards. Memory does not grow with the input.
+    """
+    settings = RunSettings.from_config(cfg)
+    if settings.output_dir is None:
+        raise UsageError("no output folder: set output_dir in the config (+output_dir=runs/r1)")
+    source = input_rows(settings, topology, rows)
+    validate_rows(source(), topology)
+    return plan_run(
+        source(),
+        settings.output_dir,
+        config_identity=topology.identity_digest(),
+        shard_size=settings.shard_size,
+        max_rollout_attempts=settings.max_rollout_attempts,
+    )
+
+
+def client_for(topology: Topology, settings: RunSettings) -> ServerClient:
+    """The HTTP client pool of one process, sized from the run's settings."""
+    return ServerClient(
+        topology,
+        max_connections=settings.max_connections,
+        connect_timeout_s=settings.connect_timeout_s,
+        request_timeout_s=settings.request_timeout_s,
+        retry_requests=settings.retry_requests,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# finishing a run
+
+
+async def finalize_run(
+    plan: RunPlan,
+    reports: Iterable[ShardReport],
+    *,
+    topology: Topology,
+    client: ServerClient,
+    settings: RunSettings,
+    wall_s: float,
+    num_workers: int = 1,
+) -> RunResult:
+    """Merge the shards, check completion, aggregate once per environment server, write the summary.
+
+    A strict run with unfinished work is rejected before aggregation (no score is published). When an
+    ``/aggregate_metrics`` call fails, the metrics file keeps an entry with ``aggregation_error``, the
+    summary is written, and then one :class:`~gym_ray.errors.AggregationError` names every failed server.
+    """
+    reports = list(reports)
+    root = Path(plan.run_dir)
+    merged = await asyncio.to_thread(merge_shards, root)
+    settled = merged.successes + merged.terminal_failures
+    if settings.strict:
+        raise_for_completion_rejection(
+            expected=plan.planned,
+            completed=settled,
+            can_retry=settled < plan.planned,
+            made_progress=any(r.succeeded or r.failed for r in reports),
+            strict=True,
+        )
+    metrics_path = await aggregate_run(root, topology, client, raise_on_error=False)
+    entries = json.loads(metrics_path.read_text(encoding="utf-8")) if metrics_path else []
+    key_metrics = {e["_ng_environment_server"]: e.get("key_metrics", {}) for e in entries}
+    errors = {
+        e["_ng_environment_server"]: e["aggregation_error"] for e in entries if "aggregation_error" in e
+    }
+    failed_by_class: Counter[str] = Counter()
+    for report in reports:
+        failed_by_class.update(report.failed_by_class)
+    dispatched = sum(r.dispatched for r in reports)
+    result = RunResult(
+        run_dir=str(root),
+        run_id=plan.run_id,
+        rollouts_path=str(merged.successes_path),
+        failures_path=str(merged.failures_path),
+        metrics_path=str(metrics_path) if metrics_path else None,
+        summary_path=str(root / SUMMARY_FILE),
+        planned=plan.planned,
+        succeeded=merged.successes,
+        failed=merged.failures,
+        failed_by_class=dict(failed_by_class),
+        omitted=sum(r.omitted for r in reports),
+        dispatched=dispatched,
+        already_done=sum(r.already_done for r in reports),
+        wall_s=wall_s,
+        rollouts_per_s=dispatched / wall_s if wall_s > 0 else 0.0,
+        num_workers=num_workers,
+        key_metrics=key_metrics,
+        aggregation_errors=errors,
+    )
+    atomic_write_bytes(root / SUMMARY_FILE, (result.model_dump_json(indent=2) + "\n").encode())
+    if metrics_path is not None:
+        raise_for_aggregation_errors(metrics_path)
+    return result
+
+
+async def acollect_local(
+    config: Mapping[str, Any] | str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    rows: Iterable[Mapping[str, Any]] | None = None,
+    overrides: Iterable[str] = (),
+    **settings: Any,
+) -> RunResult:
+    """Collect a whole config in this process: plan, run every shard, finalize.
+
+    The single-process form of :func:`gym_ray.acollect`; the same building blocks, no Ray. Running it
+    again on the same ``output_dir`` resumes: only what is missing is dispatched.
+
+    Args:
+        config: A config dict or YAML path(s).
+        rows: Input rows (a list); default: the config's ``input_jsonl_fpath``.
+        overrides: YAML-path overrides (``+output_dir=runs/r1``).
+        **settings: Run settings that win over the config (``output_dir=...``, ``num_repeats=4``).
+
+    Returns:
+        The run result (paths, counts, key metrics per environment server).
+    """
+    started = time.monotonic()
+    cfg = resolve_run_config(config, overrides=overrides, settings=settings)
+    run_settings = RunSettings.from_config(cfg)
+    topology = await resolve_topology(cfg)
+    plan = await asyncio.to_thread(prepare_run, cfg, topology, rows=rows)
+    specs = iter(plan.shards)
+
+    async def next_spec() -> ShardSpec | None:
+        return next(specs, None)
+
+    async with client_for(topology, run_settings) as client:
+        reports = await run_shards(next_spec, client=client, topology=topology, settings=run_settings)
+        return await finalize_run(
+            plan,
+            reports,
+            topology=topology,
+            client=client,
+            settings=run_settings,
+            wall_s=time.monotonic() - started,
+        )

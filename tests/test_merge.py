@@ -1,0 +1,190 @@
+"""Merging shards: order by (task, rollout, attempt), one success per identity, atomic outputs."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gym_ray import keys
+from gym_ray.errors import ConfigError, InputError
+from gym_ray.merge import merge_shards
+from gym_ray.records import ShardWriter, shard_paths
+
+
+def rec(task: int, rollout: int, attempt: int = 0, **extra: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {keys.TASK_INDEX: task, keys.ROLLOUT_INDEX: rollout, **extra}
+    if attempt:
+        record[keys.ATTEMPT_INDEX] = attempt
+    return record
+
+
+def fail(task: int, rollout: int, attempt: int = 0, **extra: Any) -> dict[str, Any]:
+    return rec(task, rollout, attempt, _ng_failure_class="agent_run_error", **extra)
+
+
+def write_shard(run_dir: Path, shard: str, records: list[dict[str, Any]]) -> None:
+    with ShardWriter(run_dir, shard, run_id="run-1", config_identity=None, record_omitted_rollouts=True) as w:
+        for record in records:
+            w.append(record)
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def crafted_run(run_dir: Path) -> None:
+    write_shard(
+        run_dir,
+        "a",
+        [
+            rec(2, 0, src="a"),
+            fail(0, 1, 0, src="a"),
+            rec(0, 1, 1, src="a"),
+            rec(0, 0, src="a"),
+            fail(1, 0, 1, src="a"),
+            fail(1, 0, 0, src="a"),
+            rec(3, 0, _ng_failure_class="cancelled", _ng_no_persist=True),
+        ],
+    )
+    write_shard(
+        run_dir,
+        "b",
+        [
+            rec(4, 0, src="b"),
+            rec(0, 0, src="b"),
+            fail(1, 1, 1, src="b"),
+            rec(1, 1, 2, src="b"),
+            fail(1, 1, 0, src="b"),
+            fail(5, 0, 0, src="b", _ng_failure_terminal=True),
+        ],
+    )
+    write_shard(run_dir, "c", [fail(6, 0, src="c"), fail(1, 0, 1, src="c"), rec(7, 0, src="c")])
+    successes = shard_paths(run_dir, "c").successes
+    with successes.open("ab") as handle:
+        handle.write(b"garbage in the middle\n" + json.dumps(rec(8, 0, src="c")).encode() + b"\n{torn")
+
+
+@pytest.mark.parametrize("fan_in", [pytest.param(2, id="fan-in-2"), pytest.param(64, id="fan-in-64")])
+def test_merge_orders_and_deduplicates_exactly(tmp_path: Path, fan_in: int) -> None:
+    crafted_run(tmp_path)
+    result = merge_shards(tmp_path, fan_in=fan_in)
+    assert read(tmp_path / "rollouts.jsonl") == [
+        rec(0, 0, src="a"),
+        rec(0, 1, 1, src="a"),
+        rec(1, 1, 2, src="b"),
+        rec(2, 0, src="a"),
+        rec(4, 0, src="b"),
+        rec(7, 0, src="c"),
+        rec(8, 0, src="c"),
+    ]
+    assert read(tmp_path / "rollouts_failures.jsonl") == [
+        fail(1, 0, 0, src="a"),
+        fail(1, 0, 1, src="a"),
+        fail(5, 0, 0, src="b", _ng_failure_terminal=True),
+        fail(6, 0, src="c"),
+    ]
+    assert result.model_dump() == {
+        "successes_path": tmp_path / "rollouts.jsonl",
+        "failures_path": tmp_path / "rollouts_failures.jsonl",
+        "shards": ("a", "b", "c"),
+        "successes": 7,
+        "failures": 4,
+        "terminal_failures": 1,
+        "duplicate_successes_dropped": 1,
+        "superseded_failures_dropped": 3,
+        "duplicate_failures_dropped": 1,
+        "omitted_rows_skipped": 1,
+        "corrupt_lines": 2,
+    }
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def _reference_merge(shards: list[list[dict[str, Any]]]) -> tuple[list[Any], list[Any]]:
+    """A plain in-memory statement of the merge rules, to check the streaming merge against."""
+    entries = []
+    for shard_no, records in enumerate(shards):
+        for line_no, record in enumerate(records):
+            if record.get(keys.NO_PERSIST):
+                continue
+            kind = 1 if keys.FAILURE_CLASS in record else 0
+            key = (record[keys.TASK_INDEX], record[keys.ROLLOUT_INDEX])
+            entries.append((key, kind, record.get(keys.ATTEMPT_INDEX, 0), shard_no, line_no, record))
+    entries.sort(key=lambda entry: entry[:5])
+    successes, failures, seen_success, seen_failure = [], [], set(), set()
+    success_keys = {entry[0] for entry in entries if entry[1] == 0}
+    for key, kind, attempt, _, _, record in entries:
+        if kind == 0 and key not in seen_success:
+            seen_success.add(key)
+            successes.append(record)
+        elif kind == 1 and key not in success_keys and (key, attempt) not in seen_failure:
+            seen_failure.add((key, attempt))
+            failures.append(record)
+    return successes, failures
+
+
+@pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed-{seed}") for seed in range(4)])
+def test_merge_matches_the_rules_on_random_runs(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    shards: list[list[dict[str, Any]]] = []
+    for shard_no in range(rng.randrange(1, 9)):
+        records = []
+        for line in range(rng.randrange(0, 40)):
+            task, rollout, attempt = rng.randrange(12), rng.randrange(3), rng.randrange(3)
+            tag = {"src": f"{shard_no}:{line}"}
+            choice = rng.random()
+            if choice < 0.5:
+                records.append(rec(task, rollout, attempt, **tag))
+            elif choice < 0.9:
+                records.append(fail(task, rollout, attempt, **tag))
+            else:
+                records.append(rec(task, rollout, attempt, _ng_no_persist=True, **tag))
+        shards.append(records)
+        write_shard(tmp_path, f"shard-{shard_no:03d}", records)
+    merge_shards(tmp_path, fan_in=3)
+    expected_successes, expected_failures = _reference_merge(shards)
+    assert read(tmp_path / "rollouts.jsonl") == expected_successes
+    assert read(tmp_path / "rollouts_failures.jsonl") == expected_failures
+
+
+def test_merge_replaces_previous_output_and_honours_the_prefix(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a", [rec(0, 0)])
+    (tmp_path / "final.jsonl").write_text("old\n")
+    result = merge_shards(tmp_path, output_prefix="final")
+    assert result.successes_path == tmp_path / "final.jsonl"
+    assert read(tmp_path / "final.jsonl") == [rec(0, 0)]
+    assert (tmp_path / "final_failures.jsonl").read_bytes() == b""
+
+
+def test_record_without_identity_fails_the_merge_and_keeps_old_output(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a", [rec(0, 0), {"reward": 1.0}])
+    (tmp_path / "rollouts.jsonl").write_text("old\n")
+    with pytest.raises(InputError, match=r"rollouts-a\.jsonl:2: record has no integer _ng_task_index"):
+        merge_shards(tmp_path)
+    assert (tmp_path / "rollouts.jsonl").read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_merge_of_a_folder_without_shards_is_an_input_error(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="has no shard files"):
+        merge_shards(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        pytest.param({"output_prefix": "../x"}, "output_prefix='../x'", id="prefix-traversal"),
+        pytest.param(
+            {"output_prefix": "rollouts-all"}, "does not start with 'rollouts-'", id="prefix-shardlike"
+        ),
+        pytest.param({"fan_in": 1}, "fan_in=1", id="fan-in-1"),
+    ],
+)
+def test_merge_rejects_bad_arguments(tmp_path: Path, kwargs: dict[str, Any], fragment: str) -> None:
+    write_shard(tmp_path, "a", [rec(0, 0)])
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        merge_shards(tmp_path, **kwargs)
