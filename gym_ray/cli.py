@@ -110,5 +110,30 @@ register("status", "gym_ray.status:status_main", _status_args)
 register("aggregate", "gym_ray.status:aggregate_main", _aggregate_args)
 
 
+def _run_args(parser: argparse.ArgumentParser) -> None:
+    _config_args(parser)
+    parser.add_argument("--workers", type=int, default=None, help="worker actors (default: from config)")
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or local)")
+    parser.add_argument("--local", action="store_true", help="run in this process, without Ray")
+
+
+def _demo_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="worker actors (default 2)")
+    parser.add_argument("--repeats", type=int, default=8, help="rollouts per task (default 8)")
+    parser.add_argument("--output-dir", default=None, help="run folder (default runs/demo-<time>)")
+    parser.add_argument("--address", default=None, help="join this Ray cluster instead of a local Ray")
+
+
+def _bench_args(parser: argparse.ArgumentParser) -> None:
+    from gym_ray.bench.cli import bench_args
+
+    bench_args(parser)
+
+
+register("run", "gym_ray.demo:run_main", _run_args)
+register("demo", "gym_ray.demo:demo_main", _demo_args)
+register("bench", "gym_ray.bench.cli:bench_main", _bench_args)
+
+
 if __name__ == "__main__":
     sys.exit(main())

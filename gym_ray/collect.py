@@ -40,13 +40,14 @@ from gym_ray.aggregate import aggregate_run, raise_for_aggregation_errors, raise
 from gym_ray.client import ServerClient, fetch_global_config
 from gym_ray.config import RunSettings, load_config
 from gym_ray.dispatch import dispatch
-from gym_ray.errors import ResumeError, UsageError
+from gym_ray.errors import NoProgressError, ResumeError, UsageError
 from gym_ray.merge import merge_shards
 from gym_ray.outcomes import CompletedRollout, RolloutFailureRecord, build_record
 from gym_ray.preprocess import iter_preprocess, load_jsonl, validate_rows
 from gym_ray.records import ShardManifest, ShardWriter
 from gym_ray.resume import plan_resume
 from gym_ray.topology import Topology
+from gym_ray.tracing import job_span, setup_tracing_from_config
 
 RUN_MANIFEST = "run_manifest.json"
 SUMMARY_FILE = "rollouts_summary.json"
@@ -390,20 +391,33 @@ async def run_shard(
             drain_margin_s=settings.drain_margin_s,
             route_failures_to_sidecar=settings.route_failures_to_sidecar,
             retry_requests=settings.retry_requests,
+            tracer=setup_tracing_from_config(topology.raw),  # None (no overhead) unless tracing.enabled
         )
+        stall_s = settings.no_progress_timeout_s
+        loop = asyncio.get_running_loop()
         try:
-            async for row, outcome in completions:
-                record = _record_of(row, outcome)
-                written = writer.append(record)
-                if written is None:
-                    omitted += 1
-                elif keys.FAILURE_CLASS in record:
-                    failed += 1
-                    failed_by_class[str(record[keys.FAILURE_CLASS])] += 1
-                else:
-                    succeeded += 1
-                if on_outcome is not None:
-                    on_outcome(row, record)
+            async with asyncio.timeout_at(loop.time() + stall_s) as watchdog:
+                async for row, outcome in completions:
+                    watchdog.reschedule(loop.time() + stall_s)
+                    record = _record_of(row, outcome)
+                    written = writer.append(record)
+                    if written is None:
+                        omitted += 1
+                    elif keys.FAILURE_CLASS in record:
+                        failed += 1
+                        failed_by_class[str(record[keys.FAILURE_CLASS])] += 1
+                    else:
+                        succeeded += 1
+                    if on_outcome is not None:
+                        on_outcome(row, record)
+        except TimeoutError as exc:
+            stats = completions.stats()
+            raise NoProgressError(
+                f"shard {spec.shard}: no rollout finished for {stall_s:g} s while {stats.in_flight} were in "
+                f"flight ({succeeded + failed} recorded by this call); the environment servers accept "
+                "requests but do not answer. Check them, then rerun on the same output_dir to resume "
+                "(raise no_progress_timeout_s for rollouts that legitimately take longer)"
+            ) from exc
         finally:
             await completions.aclose()
         writer.write_progress()
@@ -635,10 +649,14 @@ async def finalize_run(
     merged = await asyncio.to_thread(merge_shards, root)
     settled = merged.successes + merged.terminal_failures
     if settings.strict:
+        pending = sum(
+            plan_resume(root, spec.shard, max_rollout_attempts=settings.max_rollout_attempts).pending_count
+            for spec in plan.shards
+        )
         raise_for_completion_rejection(
             expected=plan.planned,
             completed=settled,
-            can_retry=settled < plan.planned,
+            can_retry=pending > 0,
             made_progress=any(r.succeeded or r.failed for r in reports),
             strict=True,
         )
@@ -709,13 +727,15 @@ async def acollect_local(
     async def next_spec() -> ShardSpec | None:
         return next(specs, None)
 
-    async with client_for(topology, run_settings) as client:
-        reports = await run_shards(next_spec, client=client, topology=topology, settings=run_settings)
-        return await finalize_run(
-            plan,
-            reports,
-            topology=topology,
-            client=client,
-            settings=run_settings,
-            wall_s=time.monotonic() - started,
-        )
+    tracer = setup_tracing_from_config(cfg)
+    with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
+        async with client_for(topology, run_settings) as client:
+            reports = await run_shards(next_spec, client=client, topology=topology, settings=run_settings)
+            return await finalize_run(
+                plan,
+                reports,
+                topology=topology,
+                client=client,
+                settings=run_settings,
+                wall_s=time.monotonic() - started,
+            )

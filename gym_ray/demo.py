@@ -8,17 +8,31 @@ every task repeated), checks the run folder with the ledger, and prints a metric
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 from gym_ray.collect import RunResult
 
-#: Headline metrics shown in the table, in order, when the server reports them.
-_HEADLINE = ("mean/reward", "pass@1/accuracy", "pass@1[avg-of-{k}]/accuracy", "pass@{k}/accuracy")
+
+def _headline(result: RunResult) -> dict[str, dict[str, Any]]:
+    """Per server: ``mean/reward`` and, when the server reports them, pass@1 and pass@k at its repeats."""
+    table: dict[str, dict[str, Any]] = {}
+    entries: list[dict[str, Any]] = []
+    if result.metrics_path and Path(result.metrics_path).exists():
+        entries = json.loads(Path(result.metrics_path).read_text(encoding="utf-8"))
+    for entry in entries:
+        metrics = {**entry.get("agent_metrics", {}), **entry.get("key_metrics", {})}
+        k = metrics.get("num_repeats")
+        names = ["mean/reward"]
+        if isinstance(k, int):
+            names += [f"pass@1[avg-of-{k}]/accuracy", f"pass@{k}/accuracy", f"majority@{k}/accuracy"]
+        table[entry["_ng_environment_server"]] = {n: metrics[n] for n in names if n in metrics}
+    return table
 
 
-def format_result(result: RunResult, *, repeats: int | None = None) -> str:
+def format_result(result: RunResult) -> str:
     """A compact, human-readable summary of a run: counts, throughput, metrics per server, paths."""
     lines = [
         f"run {result.run_id}: {result.succeeded} succeeded, {result.failed} failed "
@@ -29,14 +43,12 @@ def format_result(result: RunResult, *, repeats: int | None = None) -> str:
     if result.failed_by_class:
         classes = ", ".join(f"{k}={v}" for k, v in sorted(result.failed_by_class.items()))
         lines.append(f"failures by class: {classes}")
-    names = [name.format(k=repeats or 1) for name in _HEADLINE]
-    shown = [n for n in dict.fromkeys(names) if any(n in m for m in result.key_metrics.values())]
-    if not shown:
-        shown = sorted({k for m in result.key_metrics.values() for k in m})[:4]
-    width = max([len("environment server"), *map(len, result.key_metrics)])
+    table = _headline(result)
+    shown = list(dict.fromkeys(name for metrics in table.values() for name in metrics))
+    width = max([len("environment server"), *map(len, table)])
     lines.append("")
     lines.append("  ".join(["environment server".ljust(width), *(n.rjust(max(len(n), 8)) for n in shown)]))
-    for server, metrics in sorted(result.key_metrics.items()):
+    for server, metrics in sorted(table.items()):
         cells = [_cell(metrics.get(name)).rjust(max(len(name), 8)) for name in shown]
         lines.append("  ".join([server.ljust(width), *cells]))
     for server, error in sorted(result.aggregation_errors.items()):
@@ -57,14 +69,6 @@ def _cell(value: Any) -> str:
     if isinstance(value, int | float):
         return f"{value:.3f}"
     return str(value)
-
-
-def demo_args(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``gym-ray demo``."""
-    parser.add_argument("--workers", type=int, default=2, help="worker actors (default 2)")
-    parser.add_argument("--repeats", type=int, default=8, help="rollouts per task (default 8)")
-    parser.add_argument("--output-dir", default=None, help="run folder (default runs/demo-<time>)")
-    parser.add_argument("--address", default=None, help="join this Ray cluster instead of a local Ray")
 
 
 def demo_main(args: argparse.Namespace) -> int:
@@ -97,18 +101,10 @@ def demo_main(args: argparse.Namespace) -> int:
     finally:
         servers.close()
     print()
-    print(format_result(result, repeats=args.repeats))
+    print(format_result(result))
     report = check_run(Path(result.run_dir))
     print(f"ledger:    {report.as_dict()}")
     return 0 if report.ok else 1
-
-
-def run_args(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``gym-ray run``."""
-    parser.add_argument("config", nargs="+", help="YAML config file(s), then key=value overrides")
-    parser.add_argument("--workers", type=int, default=None, help="worker actors (default: from config)")
-    parser.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or local)")
-    parser.add_argument("--local", action="store_true", help="run in this process, without Ray")
 
 
 def run_main(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from gym_ray import keys
 from gym_ray._internal.completion import CompletionIterator
@@ -36,6 +36,9 @@ from gym_ray.outcomes import (
     is_materialized_row,
 )
 from gym_ray.topology import Topology
+
+if TYPE_CHECKING:
+    from gym_ray.tracing import Tracer
 
 __all__ = [
     "CompletionIterator",
@@ -239,8 +242,12 @@ class _Dispatcher:
         retry_requests: bool,
         environment_server_name: str | None,
         clock: Callable[[], float],
+        tracer: Tracer | None = None,
     ) -> None:
         self.client = client
+        self.tracer = tracer
+        # Links to the job span current where the dispatch is built (none when off / per_rollout).
+        self.trace_links = () if tracer is None else tracer.job_links()
         self.topology = topology
         self.shape = shape
         self.semaphore = semaphore
@@ -278,6 +285,11 @@ class _Dispatcher:
             return await self._run(row)
 
     async def _run(self, row: Row) -> tuple[Row, Any]:
+        if self.tracer is None:
+            return await self._run_row(row)
+        return await self.tracer.trace_rollout(row, self.server_of(row)[0], self._run_row, self.trace_links)
+
+    async def _run_row(self, row: Row) -> tuple[Row, Any]:
         server, url, impl = self.server_of(row)
         if self.deadline is not None:
             remaining = self.deadline - self.clock()
@@ -288,7 +300,10 @@ class _Dispatcher:
         body = episode_request_body(row) if is_materialized_row(row) else row
         started = time.perf_counter()
         try:
-            reply = await self.client.post_json(url, "/run", body, retry_requests=self.retry_requests)
+            if self.tracer is None:
+                reply = await self.client.post_json(url, "/run", body, retry_requests=self.retry_requests)
+            else:
+                reply = await self.tracer.post_run(self.client, url, body, retry_requests=self.retry_requests)
         except Exception as exc:
             if not is_expected_failure(exc):
                 raise
@@ -382,6 +397,7 @@ def build_dispatcher(
     retry_requests: bool = True,
     environment_server_name: str | None = None,
     clock: Callable[[], float] = time.monotonic,
+    tracer: Tracer | None = None,
 ) -> _Dispatcher:
     """The per-dispatch row runner (internal: used by :func:`dispatch` and the helper)."""
     for name, value in (("dispatch_budget_s", dispatch_budget_s), ("drain_margin_s", drain_margin_s)):
@@ -400,6 +416,7 @@ def build_dispatcher(
         retry_requests=retry_requests,
         environment_server_name=environment_server_name,
         clock=clock,
+        tracer=tracer,
     )
 
 
@@ -418,6 +435,7 @@ def dispatch(
     retry_requests: bool = True,
     interleave: bool = False,
     clock: Callable[[], float] = time.monotonic,
+    tracer: Tracer | None = None,
 ) -> DispatchIterator[Row, tuple[Row, CompletedRollout | RolloutFailureRecord]]:
     """Dispatch already-validated rows for collection; outcomes in completion order.
 
@@ -430,7 +448,9 @@ def dispatch(
 
     Supports ``for item in it: await item`` and ``async for row, outcome in it``; close with ``aclose()``
     or ``aclose_and_drain()``. Rows are sent as they are (the caller validated them; see
-    :func:`gym_ray.preprocess.validate_rows`).
+    :func:`gym_ray.preprocess.validate_rows`). With a ``tracer`` (:mod:`gym_ray.tracing`) each row's
+    dispatch is a root span of its own trace, linked to the job span current at this call, and ``/run``
+    carries W3C ``traceparent``; None (the default) adds nothing to the hot path.
 
     Raises:
         UsageError: ``max_resident_tasks`` < 1, or a negative budget / margin.
@@ -447,6 +467,7 @@ def dispatch(
         record_failure=record_failure,
         retry_requests=retry_requests,
         clock=clock,
+        tracer=tracer,
     )
     source: Iterable[Row] = interleave_by_agent(rows) if interleave else rows
     it: DispatchIterator[Row, tuple[Row, CompletedRollout | RolloutFailureRecord]] = DispatchIterator(

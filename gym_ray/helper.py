@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,9 @@ from gym_ray.dispatch import (
     build_dispatcher,
     interleave_by_agent,
 )
+from gym_ray.enrich import OBSERVABILITY_ENABLED, check_capture_options, enrich_run_result, needs_io
 from gym_ray.errors import UsageError
-from gym_ray.outcomes import RolloutFailureRecord
+from gym_ray.outcomes import RolloutFailureRecord, build_record
 from gym_ray.topology import Topology
 
 Row = dict[str, Any]
@@ -246,11 +247,12 @@ class RolloutCollectionHelper:
         interleave: bool,
         retry_requests: bool,
         batch_size: int,
+        enrich: tuple[bool, bool] | None = None,
     ) -> DispatchIterator[Row, Any]:
         runner = build_dispatcher(
             self._client,
             self._topology,  # type: ignore[arg-type]  # set by prepare() before any row runs
-            shape=shape,
+            shape="completed" if enrich is not None else shape,
             semaphore=semaphore,
             dispatch_budget_s=dispatch_budget_s,
             drain_margin_s=drain_margin_s,
@@ -282,9 +284,12 @@ class RolloutCollectionHelper:
             return batch
 
         source: Iterable[Row] = interleave_by_agent(rows) if interleave else rows
+        run: Callable[[Row], Coroutine[Any, Any, tuple[Row, Any]]] = runner.run
+        if enrich is not None:
+            run = _enriching(runner, include_payloads=enrich[0], delete_capture=enrich[1])
         it: DispatchIterator[Row, Any] = DispatchIterator(
             source,
-            runner.run,
+            run,
             max_resident_tasks=max_resident_tasks,
             prepare=prepare if needs_fetch else None,
             validate_batch=validate,
@@ -308,6 +313,9 @@ class RolloutCollectionHelper:
         drain_margin_s: float | None = None,
         interleave_by_agent: bool = False,
         retry_requests: bool = True,
+        enrich_results: bool = False,
+        include_model_call_payloads: bool = True,
+        delete_model_call_capture: bool = False,
     ) -> DispatchIterator[Row, tuple[Row, Row]]:
         """POST each row to its environment server's ``/run``; awaitables of ``(row, result)`` as they finish.
 
@@ -343,13 +351,23 @@ class RolloutCollectionHelper:
                 once 5 exist).
             interleave_by_agent: Round-robin rows across agents.
             retry_requests: False never replays a ``/run`` that may have been received.
+            enrich_results: Resolve each result to what collection records, enriched by
+                :func:`gym_ray.enrich.enrich_run_result` (identity, ``ng_model_call_capture`` when the
+                config sets ``observability_enabled``, ``ng_trajectory``, ``ng_perf``); results are
+                validated, and a routed ``/run`` failure resolves to the typed ``RolloutFailureRecord``.
+                Off: results are exactly what ``/run`` returned.
+            include_model_call_payloads: With ``enrich_results``, keep request/response bodies of
+                captured model calls.
+            delete_model_call_capture: With ``enrich_results``, remove each rollout's capture file after
+                it is merged (needs ``include_model_call_payloads``).
 
         Returns:
             An iterator of awaitables (also ``async for``), with ``aclose()``, ``aclose_and_drain()`` and
             ``stats()``. Close it in ``finally`` (see ``CompletionIterator.aclose``).
 
         Raises:
-            UsageError: ``max_resident_tasks`` < 1 or a negative budget (at call); ``ValidationError`` /
+            UsageError: ``max_resident_tasks`` < 1 or a negative budget (at call),
+            ``delete_model_call_capture`` without the payloads (at call); ``ValidationError`` /
             ``RoutingError`` from validation at first consumption.
         """
         return self._iterator(
@@ -367,6 +385,7 @@ class RolloutCollectionHelper:
             interleave=interleave_by_agent,
             retry_requests=retry_requests,
             batch_size=len(examples) if isinstance(examples, Sequence) else VALIDATION_BATCH,
+            enrich=_enrich_options(enrich_results, include_model_call_payloads, delete_model_call_capture),
         )
 
     def run_outcomes(
@@ -382,6 +401,9 @@ class RolloutCollectionHelper:
         drain_margin_s: float | None = None,
         interleave_by_agent: bool = False,
         retry_requests: bool = True,
+        enrich_results: bool = False,
+        include_model_call_payloads: bool = True,
+        delete_model_call_capture: bool = False,
     ) -> DispatchIterator[Row, tuple[Row, Row | RolloutFailureRecord]]:
         """``async for row, outcome in helper.run_outcomes(rows)``: typed outcomes in completion order.
 
@@ -394,7 +416,9 @@ class RolloutCollectionHelper:
         The rows handed back are this invocation's shallow copies stamped with ``_ng_run_id``: ``run_id``
         when given (overriding row stamps), else the row's own stamp, else one fresh id shared by this
         call. Input rows are never modified. Call :meth:`preprocess_examples` first, or give rows stable
-        explicit rollout ids. Other arguments and closing are as in :meth:`run_examples`.
+        explicit rollout ids. ``enrich_results`` adds ``ng_model_call_capture`` / ``ng_trajectory`` /
+        ``ng_perf`` to completed records (see :meth:`run_examples`). Other arguments and closing are as in
+        :meth:`run_examples`.
         """
         invocation_id = run_id if run_id is not None else uuid.uuid4().hex
 
@@ -419,4 +443,45 @@ class RolloutCollectionHelper:
             interleave=interleave_by_agent,
             retry_requests=retry_requests,
             batch_size=len(examples) if isinstance(examples, Sequence) else VALIDATION_BATCH,
+            enrich=_enrich_options(enrich_results, include_model_call_payloads, delete_model_call_capture),
         )
+
+
+def _enrich_options(enrich: bool, include_payloads: bool, delete_capture: bool) -> tuple[bool, bool] | None:
+    check_capture_options(
+        include_model_call_payloads=include_payloads, delete_model_call_capture=delete_capture
+    )
+    return (include_payloads, delete_capture) if enrich else None
+
+
+def _enriching(
+    runner: Any, *, include_payloads: bool, delete_capture: bool
+) -> Callable[[Row], Coroutine[Any, Any, tuple[Row, Any]]]:
+    """Wrap a ``completed``-shape row runner: each ``CompletedRollout`` becomes its enriched record."""
+
+    seen: list[Any] = [None, False]  # (topology, its observability_enabled): raw is a deep copy, read once
+
+    async def run(row: Row) -> tuple[Row, Any]:
+        row, outcome = await runner.run(row)
+        if isinstance(outcome, RolloutFailureRecord):
+            return row, outcome
+        record = build_record(
+            row,
+            outcome.result,
+            environment_server=outcome.environment_server,
+            result_type=outcome.environment_server_type,
+        )
+        if seen[0] is not runner.topology:
+            seen[:] = [runner.topology, bool(runner.topology.raw.get(OBSERVABILITY_ENABLED))]
+        observe: bool = seen[1]
+        kw: dict[str, Any] = {
+            "include_model_call_payloads": include_payloads,
+            "observability_enabled": observe,
+            "delete_model_call_capture": delete_capture,
+            "total_latency_ms": outcome.rollout_latency_ms,
+        }
+        if needs_io(record, observability_enabled=observe):
+            return row, await asyncio.to_thread(enrich_run_result, row, record, **kw)
+        return row, enrich_run_result(row, record, **kw)
+
+    return run

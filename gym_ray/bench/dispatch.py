@@ -11,6 +11,7 @@ Run: ``python -m gym_ray.bench.dispatch [n] [concurrency]``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import sys
@@ -127,6 +128,25 @@ async def _measure(config: dict[str, Any], n: int, concurrency: int) -> dict[str
     return out
 
 
+@contextlib.contextmanager
+def serve_bench_server() -> Iterator[dict[str, Any]]:
+    """Run the instant reference server in a separate process; yields its config (real ports)."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve, args=(child,), daemon=True)
+    server.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("the benchmark's reference server did not start within 60 s")
+        yield parent.recv()
+    finally:
+        parent.send("stop")
+        server.join(10)
+        if server.is_alive():
+            server.terminate()
+            server.join(5)
+
+
 def _env_url(config: dict[str, Any]) -> str:
     inner = config["bench_env"]["environment_servers"]["example_env"]
     return f"http://{inner['host']}:{inner['port']}"
@@ -143,21 +163,8 @@ def run_dispatch_bench(n: int = 20000, concurrency: int = 256) -> dict[str, Any]
         ``{"n", "concurrency", "bare_aiohttp": {...}, "run_examples": {...}, "cpu_ratio"}`` where each
         loop reports ``cpu_us_per_rollout``, ``wall_s`` and ``rollouts_per_s``; also printed.
     """
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(target=_serve, args=(child,), daemon=True)
-    server.start()
-    try:
-        if not parent.poll(60):
-            raise RuntimeError("the benchmark's reference server did not start within 60 s")
-        config = parent.recv()
+    with serve_bench_server() as config:
         result = asyncio.run(_measure(config, n, concurrency))
-    finally:
-        parent.send("stop")
-        server.join(10)
-        if server.is_alive():
-            server.terminate()
-            server.join(5)
     print(
         f"dispatch bench: n={n} concurrency={concurrency} "
         f"bare={result['bare_aiohttp']['cpu_us_per_rollout']:.0f} us/rollout "

@@ -1,0 +1,28 @@
+"""gym_ray on Ray: the driver, worker and coordinator actors, and ``collect`` / ``acollect``.
+
+Importing this package does not import Ray; the actors are plain classes made remote by
+:func:`~gym_ray.distributed.api.run_actors` (every actor with ``num_cpus=0``: they are IO bound).
+"""
+
+from __future__ import annotations
+
+from gym_ray.distributed.api import RunActors, acollect, collect, plan_from_config, run_actors
+from gym_ray.distributed.coordinator import RunCoordinator, RunStatus, ShardTiming
+from gym_ray.distributed.driver import DriverStatus, ShardDriver, ShardFailure
+from gym_ray.distributed.worker import RolloutWorker, WorkerTotals
+
+__all__ = [
+    "DriverStatus",
+    "RolloutWorker",
+    "RunActors",
+    "RunCoordinator",
+    "RunStatus",
+    "ShardDriver",
+    "ShardFailure",
+    "ShardTiming",
+    "WorkerTotals",
+    "acollect",
+    "collect",
+    "plan_from_config",
+    "run_actors",
+]

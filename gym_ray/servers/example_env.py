@@ -7,9 +7,14 @@ collector-private keys.
 
 Instance fields (all optional): ``seed`` (int), ``skill`` (0..1), ``latency_ms``, ``latency_jitter_ms``
 (0 and 0 = instant mode, no sleep), ``model_name``, ``policy_base_url``, ``policy_model``, ``faults``
-(``faults.FaultConfig``). Row fields read: ``responses_create_params``, ``expected_answer``,
-``difficulty`` (0..1), ``fault``, ``fault_until_attempt``, ``force_failure`` (truthy; a string is the
-reason), ``force_failure_terminal`` (default true).
+(``faults.FaultConfig``), ``capture_dir`` (a folder: each successful rollout's model calls are written to
+``<capture_dir>/<instance>-<rollout label>.json`` and the result names the file in
+``model_call_capture_path``; see :mod:`gym_ray.enrich`), ``tracing`` (a
+:class:`gym_ray.tracing.TracingSettings` block; the ``tracer`` attribute may also be set directly:
+``/run`` then records a SERVER span that continues the caller's W3C ``traceparent``).
+Row fields read: ``responses_create_params``, ``expected_answer``, ``difficulty`` (0..1), ``fault``,
+``fault_until_attempt``, ``force_failure`` (truthy; a string is the reason), ``force_failure_terminal``
+(default true).
 
 Other routes: ``POST /aggregate_metrics``, ``GET|POST /policy`` (``{"skill": x}`` sets the skill),
 ``GET /_stats``, and the health routes.
@@ -22,14 +27,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import re
+import time
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from gym_ray import keys
+from gym_ray._internal.atomic import atomic_write_bytes
+from gym_ray.enrich import MODEL_CALL_CAPTURE_PATH
 from gym_ray.errors import ConfigError, InputError, ServerError
 from gym_ray.servers import _web
 from gym_ray.servers.faults import Fault, FaultConfig, inject, row_fault
@@ -44,10 +54,12 @@ from gym_ray.servers.policy import (
     row_seed,
 )
 from gym_ray.servers.stats import StatsRecorder
+from gym_ray.tracing import TRACING_KEY, Tracer, setup_tracing_from_config
 
 IMPLEMENTATION = "example_env"
 DEFAULT_MODEL_NAME = "gym-ray-simulated-policy"
 _DEFAULT_ROLLOUT_ID = re.compile(r"^(\d+)-(\d+)$")
+_UNSAFE_FILE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 
 class ExampleEnvServer:
@@ -89,6 +101,16 @@ class ExampleEnvServer:
         self.policy_base_url: str | None = base_url or None
         model = fields.get("policy_model")
         self.policy_model: str | None = str(model) if model is not None else None
+        capture_dir = fields.get("capture_dir")
+        if capture_dir is not None and not isinstance(capture_dir, str):
+            raise ConfigError(
+                f"{where}.capture_dir = {capture_dir!r} is not a folder path string",
+                key=f"{where}.capture_dir",
+            )
+        self.capture_dir: Path | None = Path(capture_dir) if capture_dir else None
+        self.tracer: Tracer | None = (
+            setup_tracing_from_config({TRACING_KEY: fields[TRACING_KEY]}) if TRACING_KEY in fields else None
+        )
         self.stats = StatsRecorder()
         self._session: aiohttp.ClientSession | None = None
 
@@ -116,6 +138,14 @@ class ExampleEnvServer:
     # --- routes ---------------------------------------------------------------------------------
 
     async def _handle_run(self, request: web.Request) -> web.StreamResponse:
+        if self.tracer is None:
+            return await self._serve_run(request)
+        with self.tracer.server_span(request.headers, server=self.name, route="/run") as span:
+            response = await self._serve_run(request)
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _serve_run(self, request: web.Request) -> web.StreamResponse:
         async with self.stats.tracking():
             body = await _web.read_json_object(request)
             if isinstance(body, web.Response):
@@ -258,6 +288,7 @@ class ExampleEnvServer:
             raise InputError(f"{where}.difficulty = {difficulty!r} is not a number in [0, 1]")
         seed = row_seed(params)
         question = question_text(params)
+        started = time.perf_counter()
         if self.policy_base_url is not None and self._session is not None:
             response, text = await call_model(
                 self._session, self.policy_base_url, params, model=self.policy_model
@@ -273,14 +304,64 @@ class ExampleEnvServer:
             digest = hashlib.sha256(f"{self.name}|{key.label()}|{seed}".encode()).hexdigest()[:24]
             response = build_response(said, response_id=digest, model=self.model_name)
             answer = said.answer
+        latency_ms = (time.perf_counter() - started) * 1000.0
         correct = answer is not None and expected is not None and answer.strip() == expected
-        return {
+        result: dict[str, Any] = {
             keys.RESPONSES_CREATE_PARAMS: params,
             keys.RESPONSE: response,
             keys.REWARD: 1.0 if correct else 0.0,
             "expected_answer": expected,
             "extracted_answer": answer,
         }
+        if self.capture_dir is not None:
+            result[MODEL_CALL_CAPTURE_PATH] = await self._write_capture(
+                self.capture_dir, key, params, response, latency_ms
+            )
+        return result
+
+    async def _write_capture(
+        self,
+        capture_dir: Path,
+        key: RolloutKey,
+        params: Mapping[str, Any],
+        response: Mapping[str, Any],
+        latency_ms: float,
+    ) -> str:
+        """Write this rollout's model-call capture (one call: the policy's) and return its path."""
+        label = _UNSAFE_FILE_CHARS.sub("_", f"{self.name}-{key.label()}")
+        usage = response.get(keys.USAGE)
+        usage = usage if isinstance(usage, Mapping) else {}
+        cached = usage.get("input_tokens_details") or {}
+        reasoning = usage.get("output_tokens_details") or {}
+        token_stats = {
+            "prompt_tokens": usage.get("input_tokens"),
+            "cached_tokens": cached.get("cached_tokens"),
+            "completion_tokens": usage.get("output_tokens"),
+            "reasoning_tokens": reasoning.get("reasoning_tokens"),
+        }
+        capture = {
+            "rollout": key.label(),
+            "server": self.name,
+            "model_calls": [
+                {
+                    "model_call_id": f"{label}-0",
+                    "model_ref": response.get("model"),
+                    "response_id": response.get("id"),
+                    "latency_ms": latency_ms,
+                    "token_stats": {k: v for k, v in token_stats.items() if isinstance(v, int)},
+                    "request": dict(params),
+                    "response": dict(response),
+                }
+            ],
+        }
+        path = capture_dir / f"{label}.json"
+        data = json.dumps(capture).encode()
+        try:
+            await asyncio.to_thread(capture_dir.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(atomic_write_bytes, path, data)
+        except OSError as exc:
+            raise ServerError(f"cannot write the model-call capture {path}: {exc}") from exc
+        return str(path)
 
 
 def _index(value: object) -> int | str:

@@ -1,0 +1,398 @@
+"""``collect`` / ``acollect``: a whole config collected by Ray actors (driver, workers, coordinator).
+
+Roles (ARCHITECTURE.md, "Ray roles"): one :class:`~gym_ray.distributed.driver.ShardDriver` plans the run and
+hands shards out on request; ``num_workers`` :class:`~gym_ray.distributed.worker.RolloutWorker` actors pull
+and run them; one :class:`~gym_ray.distributed.coordinator.RunCoordinator` counts shard reports and
+finalizes the run (merge, ``/aggregate_metrics`` once per environment server, summary). The same
+``plan_run`` / ``run_shard`` / ``finalize_run`` serve a single-process run; Ray only decides which process
+runs which shard. All actors use ``num_cpus=0`` (they wait on the network and the disk), so four workers fit
+on a 2-CPU local Ray; on a cluster the run folder must be on a file system every node sees.
+
+Ray: with ``address`` (or ``RAY_ADDRESS``) the run joins that cluster; otherwise, when Ray is not running in
+this process yet, it starts a local Ray without dashboard and shuts it down afterwards. A Ray already
+initialized in this process is used as is and left running.
+
+Failure handling: this module awaits every worker's ``run()``. A worker that dies (``RayActorError``) is
+reported to the driver, which puts its unfinished shards back at the front of the queue, and a replacement
+worker is started (up to ``max_worker_restarts``). Cancelling ``acollect`` (or Ctrl-C in ``collect``)
+cancels the workers' ``run()`` calls, gives them ``cancel_grace_s`` to close their shard writers, then kills
+every actor: the run folder stays resumable, and running again on it under any worker count runs only what
+is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gym_ray.distributed.coordinator import FinalizeFn, RunCoordinator
+from gym_ray.distributed.driver import Planner, ShardDriver, driver_max_concurrency
+from gym_ray.distributed.worker import (
+    DEFAULT_SHARDS_IN_FLIGHT,
+    RolloutWorker,
+    ShardFn,
+    WorkerTotals,
+    worker_max_concurrency,
+)
+from gym_ray.errors import ConfigError, InternalError, NoProgressError, UsageError
+
+if TYPE_CHECKING:
+    from gym_ray.collect import RunResult, ShardSpec
+    from gym_ray.config import RunSettings
+
+logger = logging.getLogger(__name__)
+
+#: Seconds cancelled workers get to close their shard writers before their actors are killed.
+DEFAULT_CANCEL_GRACE_S = 10.0
+#: Upper bound of the default worker count (one worker drives hundreds of rollouts at once).
+MAX_DEFAULT_WORKERS = 16
+
+
+@dataclass
+class RunActors:
+    """The live actors of a distributed run (for status, tests and chaos tools).
+
+    ``workers`` maps worker id -> actor handle and gains replacements as they start; ``lost`` lists the
+    workers that died, in order.
+    """
+
+    driver: Any
+    coordinator: Any
+    workers: dict[str, Any] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)
+    totals: dict[str, WorkerTotals] = field(default_factory=dict)
+
+
+def plan_from_config(config: Mapping[str, Any], rows: Any = None) -> Iterator[ShardSpec]:
+    """Default planner (runs in the driver actor): validate the input rows, plan the run folder.
+
+    Uses :func:`gym_ray.collect.prepare_run` (a validation pass, then a planning pass, both streaming), so
+    bad input raises before anything is written; on resume the existing shards are verified and reused.
+
+    Args:
+        config: The plain global config, with the topology already resolved (``Topology.raw``).
+        rows: ``None`` to read ``input_jsonl_fpath``, or an ``ObjectRef`` of a list of rows.
+
+    Returns:
+        The planned shards, in input order.
+    """
+    from gym_ray.collect import prepare_run
+    from gym_ray.topology import Topology
+
+    cfg = dict(config)
+    # This runs in a thread of the async driver actor: wait on the ref's future (ray.get would warn).
+    source: list[dict[str, Any]] | None = rows.future().result() if rows is not None else None
+    plan = prepare_run(cfg, Topology.from_config(cfg), rows=source)
+    return iter(plan.shards)
+
+
+async def run_actors(
+    config: Mapping[str, Any],
+    settings: RunSettings,
+    planner: Planner,
+    *,
+    run_dir: str,
+    num_workers: int,
+    started_at: float | None = None,
+    shard_fn: ShardFn | None = None,
+    finalize_fn: FinalizeFn | None = None,
+    shards_in_flight: int = DEFAULT_SHARDS_IN_FLIGHT,
+    max_worker_restarts: int | None = None,
+    cancel_grace_s: float = DEFAULT_CANCEL_GRACE_S,
+    on_started: Callable[[RunActors], None] | None = None,
+) -> RunResult:
+    """Run a planned collection on the Ray this process is connected to (Ray must be initialized).
+
+    Starts the coordinator, the driver (with ``planner``) and ``num_workers`` workers, supervises the
+    workers (replacing dead ones), then finalizes through the coordinator.
+
+    Args:
+        config: The plain global config.
+        settings: The run's settings.
+        planner: Yields the run's shards (see :class:`~gym_ray.distributed.driver.ShardDriver`).
+        run_dir: The run folder.
+        num_workers: Worker actors to start.
+        started_at: ``time.monotonic()`` when the caller's run started (wall time in the summary).
+        shard_fn: Runs one shard in a worker (default :func:`gym_ray.collect.run_shard`).
+        finalize_fn: Finalizes the run in the coordinator (default :func:`gym_ray.collect.finalize_run`).
+        shards_in_flight: Shards each worker runs at once (sharing its admission semaphore).
+        max_worker_restarts: Replacement workers allowed in total (default ``2 x num_workers``).
+        cancel_grace_s: On cancellation, seconds workers get to close their writers before being killed.
+        on_started: Called once the actors exist, with the live :class:`RunActors` (it stays current).
+
+    Returns:
+        The run result from ``finalize_run``.
+
+    Raises:
+        GymRayError: The plan failed (bad input, resume conflict) or a shard failed in a worker: that
+            error, re-raised; the run folder stays resumable.
+        NoProgressError: Every worker died and the restart budget is spent.
+        CancelledError: Cancelled; the actors are killed, the run folder stays resumable.
+    """
+    import ray
+
+    started = time.monotonic() if started_at is None else started_at
+    if num_workers < 1:
+        raise UsageError(f"num_workers must be >= 1, got {num_workers}; pass num_workers=1 or more")
+    restarts_left = 2 * num_workers if max_worker_restarts is None else max_worker_restarts
+    driver_concurrency = driver_max_concurrency(num_workers, shards_in_flight)
+    worker_concurrency = worker_max_concurrency(settings)
+    coordinator_concurrency = num_workers * shards_in_flight + 16
+    logger.info(
+        "collect: %d workers x %d shard lanes, max_resident_tasks=%d and max_connections=%d per worker; "
+        "actor max_concurrency: driver=%d worker=%d coordinator=%d; num_cpus=0 for every actor",
+        num_workers,
+        shards_in_flight,
+        settings.max_resident_tasks,
+        settings.max_connections,
+        driver_concurrency,
+        worker_concurrency,
+        coordinator_concurrency,
+    )
+    # Actor handles are typed Any: Ray's stubs do not type ``.remote`` calls of plain classes.
+    coordinator: Any = (
+        ray.remote(RunCoordinator)
+        .options(num_cpus=0, max_concurrency=coordinator_concurrency)
+        .remote(run_dir, dict(config), settings, finalize_fn=finalize_fn)
+    )
+    driver: Any = (
+        ray.remote(ShardDriver)
+        .options(num_cpus=0, max_concurrency=driver_concurrency)
+        .remote(planner, lookahead=2 * num_workers, coordinator=coordinator)
+    )
+    actors = RunActors(driver=driver, coordinator=coordinator)
+    worker_class: Any = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=worker_concurrency)
+    runs: dict[asyncio.Future[WorkerTotals], str] = {}
+    refs: dict[str, Any] = {}
+
+    def create_worker(worker_id: str) -> Any:
+        handle: Any = worker_class.remote(
+            worker_id,
+            driver,
+            coordinator,
+            dict(config),
+            settings,
+            shard_fn=shard_fn,
+            shards_in_flight=shards_in_flight,
+        )
+        actors.workers[worker_id] = handle
+        return handle
+
+    def launch(worker_id: str) -> None:
+        refs[worker_id] = actors.workers[worker_id].run.remote()
+        runs[asyncio.ensure_future(refs[worker_id])] = worker_id
+
+    finished = False
+    try:
+        await driver.start.remote()
+        initial = [f"w{index}" for index in range(num_workers)]
+        # Start line: every worker process is up before any pulls, so early workers cannot take the
+        # whole first wave of shards. A worker that failed to start fails its run() and is replaced.
+        await asyncio.gather(*(create_worker(w).pid.remote() for w in initial), return_exceptions=True)
+        for worker_id in initial:
+            launch(worker_id)
+        next_index = num_workers
+        if on_started is not None:
+            on_started(actors)
+        while runs:
+            done, _ = await asyncio.wait(runs, return_when=asyncio.FIRST_COMPLETED)
+            for run in done:
+                worker_id = runs.pop(run)
+                try:
+                    actors.totals[worker_id] = run.result()
+                except ray.exceptions.RayActorError as exc:
+                    actors.lost.append(worker_id)
+                    requeued = await driver.worker_lost.remote(worker_id)
+                    logger.warning(
+                        "collect: worker %s died (%s); re-queued %d shards",
+                        worker_id,
+                        type(exc).__name__,
+                        len(requeued),
+                    )
+                    status = await driver.status.remote()
+                    if not status.finished and restarts_left > 0:
+                        restarts_left -= 1
+                        replacement = f"w{next_index}"
+                        next_index += 1
+                        logger.warning("collect: starting replacement worker %s", replacement)
+                        create_worker(replacement)
+                        launch(replacement)
+        status = await driver.status.remote()
+        if status.plan_error is not None:
+            raise status.plan_error
+        if status.failures:
+            first = status.failures[0]
+            if first.error is not None:
+                raise first.error
+            raise InternalError(f"shard {first.shard} failed in worker {first.worker}: {first.message}")
+        if not status.finished:
+            raise NoProgressError(
+                f"every worker died ({', '.join(actors.lost)}) and the restart budget is spent; "
+                f"{status.queued} shards are unfinished in {run_dir}. "
+                "Run again on the same output_dir to resume"
+            )
+        await driver.close.remote()
+        result: RunResult = await coordinator.finalize.remote(
+            num_workers=num_workers, wall_s=time.monotonic() - started
+        )
+        finished = True
+        return result
+    finally:
+        await _teardown(actors, runs, refs, graceful=finished, grace_s=cancel_grace_s)
+
+
+async def _teardown(
+    actors: RunActors,
+    runs: dict[asyncio.Future[WorkerTotals], str],
+    refs: dict[str, Any],
+    *,
+    graceful: bool,
+    grace_s: float,
+) -> None:
+    """Stop every actor of the run. Not graceful: cancel live ``run()`` calls, wait ``grace_s``, kill."""
+    import ray
+
+    if runs:
+        for worker_id in runs.values():
+            ray.cancel(refs[worker_id])
+        await asyncio.wait(runs, timeout=grace_s)
+        for run in runs:
+            run.cancel()
+        # Retrieve every outcome (cancelled, killed, ...) so that none is reported as never retrieved.
+        await asyncio.gather(*runs, return_exceptions=True)
+        runs.clear()
+    if not graceful:
+        logger.warning("collect: stopping the run; the run folder is resumable (run again on it)")
+    for handle in [*actors.workers.values(), actors.driver, actors.coordinator]:
+        ray.kill(handle, no_restart=True)
+
+
+@asynccontextmanager
+async def _ray_connection(address: str | None) -> Any:
+    """Use the Ray this process runs, join ``address``/``RAY_ADDRESS``, or start a local one."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        init = functools.partial(ray.init, num_cpus=os.cpu_count() or 1, include_dashboard=False)
+    else:
+        init = functools.partial(ray.init, address=address)
+    await asyncio.to_thread(init)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _default_num_workers(ray_module: Any) -> int:
+    cpus = int(ray_module.cluster_resources().get("CPU", 1))
+    return max(1, min(MAX_DEFAULT_WORKERS, cpus))
+
+
+async def acollect(
+    config: Mapping[str, Any] | str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    address: str | None = None,
+    num_workers: int | None = None,
+    overrides: Sequence[str] = (),
+    rows: Iterable[Mapping[str, Any]] | None = None,
+    **settings: Any,
+) -> RunResult:
+    """Collect a whole config on Ray; usable from a running event loop (a notebook cell).
+
+    Example::
+
+        result = await gym_ray.acollect("demo.yaml", output_dir="runs/demo", num_workers=4)
+        print(result.succeeded, result.key_metrics)
+
+    Args:
+        config: A config dict, or the path(s) of YAML config file(s).
+        address: A Ray cluster to join (default: ``RAY_ADDRESS``, else a local Ray started for this run).
+        num_workers: Worker actors (default: the ``num_workers`` setting, else the cluster's CPU count,
+            at most 16).
+        overrides: ``key=value`` overrides applied to a config file.
+        rows: Input rows, instead of the config's ``input_jsonl_fpath`` (shipped to the driver via the
+            object store).
+        **settings: Run settings set on top of the config (``output_dir=...``, ``shard_size=...``).
+
+    Returns:
+        The run result (paths, counts, metrics, summary).
+
+    Raises:
+        ConfigError: Bad config or settings (before Ray starts).
+        GymRayError: Planning or a shard failed; the run folder is resumable.
+        CancelledError: Cancelled; the actors are stopped, the run folder is resumable.
+    """
+    from gym_ray.collect import resolve_run_config, resolve_topology
+    from gym_ray.config import RunSettings
+
+    started = time.monotonic()
+    cfg = resolve_run_config(config, overrides=overrides, settings=settings)
+    run_settings = RunSettings.from_config(cfg)
+    if run_settings.output_dir is None:
+        raise ConfigError(
+            "config key 'output_dir' is not set: a distributed run needs a run folder; pass output_dir=...",
+            key="output_dir",
+        )
+    if rows is None and run_settings.input_jsonl_fpath is None:
+        raise ConfigError(
+            "config key 'input_jsonl_fpath' is not set and no rows were passed: pass input_jsonl_fpath=... "
+            "or rows=[...]",
+            key="input_jsonl_fpath",
+        )
+    # Config errors surface here, before Ray starts; a head-only config is completed from the head.
+    resolved = (await resolve_topology(cfg)).raw
+    run_dir = str(Path(run_settings.output_dir))
+    async with _ray_connection(address) as ray:
+        workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
+        rows_ref = ray.put([dict(row) for row in rows]) if rows is not None else None
+        planner = functools.partial(plan_from_config, resolved, rows_ref)
+        return await run_actors(
+            resolved, run_settings, planner, run_dir=run_dir, num_workers=workers, started_at=started
+        )
+
+
+def collect(
+    config: Mapping[str, Any] | str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    address: str | None = None,
+    num_workers: int | None = None,
+    overrides: Sequence[str] = (),
+    rows: Iterable[Mapping[str, Any]] | None = None,
+    **settings: Any,
+) -> RunResult:
+    """Collect a whole config on Ray (blocking). Same arguments as :func:`acollect`.
+
+    Example::
+
+        result = gym_ray.collect("demo.yaml", output_dir="runs/demo", num_workers=4)
+
+    Raises:
+        UsageError: Called from a running event loop; use ``await acollect(...)`` there.
+        KeyboardInterrupt: Ctrl-C; the actors are stopped first and the run folder is resumable.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise UsageError(
+            "collect() was called from a running event loop (a notebook cell?); "
+            "use `await acollect(...)` there"
+        )
+    return asyncio.run(
+        acollect(config, address=address, num_workers=num_workers, overrides=overrides, rows=rows, **settings)
+    )
+
+
+__all__ = ["RunActors", "acollect", "collect", "plan_from_config", "run_actors"]

@@ -1,0 +1,288 @@
+"""The coordinator actor: learns of each finished shard, keeps the run's status, finalizes the run.
+
+Workers send one :class:`~gym_ray.collect.ShardReport` per shard they ran; the driver sends each planned
+:class:`~gym_ray.collect.ShardSpec` as it is planned and ``None`` when planning ends. At the end,
+:meth:`RunCoordinator.finalize` rebuilds the :class:`~gym_ray.collect.RunPlan` from those specs and runs
+:func:`gym_ray.collect.finalize_run` (k-way merge of the shard files, completion check,
+``/aggregate_metrics`` once per environment server, metrics file, ``rollouts_summary.json``) in this actor
+with its own client pool, then adds the distributed figures (workers, shard timings) under the
+``"distributed"`` key of the summary (atomic replace).
+
+Counting promise: a report counts only what its ``run_shard`` call wrote (``succeeded``/``failed``), so the
+sums stay exact when a shard is run again after its worker died (the re-run finds the recorded rollouts
+done and writes only the rest). The figures on disk (the merged files) remain the source of truth.
+
+Ray resources: IO bound; start it with ``num_cpus=0``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gym_ray._internal.atomic import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from gym_ray.client import ServerClient
+    from gym_ray.collect import RunPlan, RunResult, ShardReport, ShardSpec
+    from gym_ray.config import RunSettings
+    from gym_ray.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+#: Summary file key holding the distributed figures.
+DISTRIBUTED_KEY = "distributed"
+
+
+class FinalizeFn(Protocol):
+    """The shape of :func:`gym_ray.collect.finalize_run`."""
+
+    def __call__(
+        self,
+        plan: RunPlan,
+        reports: Iterable[ShardReport],
+        *,
+        topology: Topology,
+        client: ServerClient,
+        settings: RunSettings,
+        wall_s: float,
+        num_workers: int = 1,
+    ) -> Awaitable[RunResult]: ...
+
+
+@dataclass(frozen=True)
+class ShardTiming:
+    """When and where one shard ran (for straggler analysis and benchmarks)."""
+
+    shard: str
+    worker: str | None
+    wall_s: float
+    dispatched: int
+    reported_at_s: float
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """The run as the coordinator knows it."""
+
+    shards_done: int
+    shards_planned: int
+    plan_done: bool
+    rows_planned: int
+    succeeded: int
+    failed: int
+    dispatched: int
+    already_done: int
+    failed_by_class: dict[str, int]
+    elapsed_s: float
+    rollouts_per_s: float
+    workers_reporting: tuple[str, ...]
+
+
+def _default_finalize() -> FinalizeFn:
+    from gym_ray.collect import finalize_run
+
+    return finalize_run
+
+
+class RunCoordinator:
+    """Records shard reports, keeps the run status, and finalizes the run.
+
+    Run as a Ray async actor (``ray.remote(RunCoordinator).options(num_cpus=0)``).
+
+    Args:
+        run_dir: The run folder.
+        config: The plain global config (the topology is built from it for finalization).
+        settings: The run's settings.
+        finalize_fn: Merges and aggregates the run; :func:`gym_ray.collect.finalize_run` by default.
+        client_factory: Builds the client pool used to aggregate.
+        clock: Monotonic clock, injected for tests; elapsed time counts from construction.
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        config: Mapping[str, Any],
+        settings: RunSettings,
+        *,
+        finalize_fn: FinalizeFn | None = None,
+        client_factory: Callable[[Topology, RunSettings], ServerClient] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._run_dir = run_dir
+        self._config = dict(config)
+        self._settings = settings
+        self._finalize_fn = finalize_fn or _default_finalize()
+        self._client_factory = client_factory
+        self._clock = clock
+        self._started = clock()
+        self._shards_done: set[str] = set()
+        self._timings: list[ShardTiming] = []
+        self._succeeded = self._failed = self._dispatched = self._already_done = 0
+        self._failed_by_class: Counter[str] = Counter()
+        self._workers: set[str] = set()
+        self._reports: list[ShardReport] = []
+        self._specs: list[ShardSpec] = []
+        self._rows_planned = 0
+        self._plan_done = False
+
+    def pid(self) -> int:
+        """This actor's process id (benchmarks sample its memory)."""
+        return os.getpid()
+
+    async def record_report(self, report: ShardReport) -> None:
+        """Count one shard's report (idempotent per shard for ``shards_done``; counts add up, see module)."""
+        self._shards_done.add(report.shard)
+        self._reports.append(report)
+        self._succeeded += report.succeeded
+        self._failed += report.failed
+        self._dispatched += report.dispatched
+        self._already_done += report.already_done
+        self._failed_by_class.update(report.failed_by_class)
+        if report.worker is not None:
+            self._workers.add(report.worker)
+        self._timings.append(
+            ShardTiming(
+                shard=report.shard,
+                worker=report.worker,
+                wall_s=report.wall_s,
+                dispatched=report.dispatched,
+                reported_at_s=self._clock() - self._started,
+            )
+        )
+
+    async def plan_progress(self, spec: ShardSpec | None) -> None:
+        """The driver's planning progress: one more planned shard, or ``None`` when planning ended."""
+        if spec is None:
+            self._plan_done = True
+            return
+        self._specs.append(spec)
+        self._rows_planned += spec.num_rows
+
+    async def status(self) -> RunStatus:
+        """The run's status now."""
+        elapsed = self._clock() - self._started
+        finished = self._succeeded + self._failed
+        return RunStatus(
+            shards_done=len(self._shards_done),
+            shards_planned=len(self._specs),
+            plan_done=self._plan_done,
+            rows_planned=self._rows_planned,
+            succeeded=self._succeeded,
+            failed=self._failed,
+            dispatched=self._dispatched,
+            already_done=self._already_done,
+            failed_by_class=dict(self._failed_by_class),
+            elapsed_s=elapsed,
+            rollouts_per_s=finished / elapsed if elapsed > 0 else 0.0,
+            workers_reporting=tuple(sorted(self._workers)),
+        )
+
+    async def timings(self) -> list[ShardTiming]:
+        """Every shard report's timing, in arrival order."""
+        return list(self._timings)
+
+    async def finalize(self, *, num_workers: int, wall_s: float | None = None) -> RunResult:
+        """Merge the shards, aggregate metrics once per environment server, write the summary.
+
+        Call once, after every worker returned. The summary gains a ``"distributed"`` entry with the worker
+        count, this call's counts, rollouts/s and wall time, and the shard timings.
+
+        Args:
+            num_workers: Workers the run started with.
+            wall_s: The run's wall time so far as the caller measured it (default: since this actor started).
+
+        Raises:
+            AggregationError / RecordError: From ``finalize_run``; the run folder stays resumable.
+        """
+        from gym_ray.topology import Topology
+
+        topology = Topology.from_config(self._config)
+        factory = self._client_factory or _default_client
+        if wall_s is None:
+            wall_s = self._clock() - self._started
+        async with factory(topology, self._settings) as client:
+            result = await self._finalize_fn(
+                self._plan(),
+                list(self._reports),
+                topology=topology,
+                client=client,
+                settings=self._settings,
+                wall_s=wall_s,
+                num_workers=num_workers,
+            )
+        status = await self.status()
+        self._write_distributed_summary(
+            Path(result.summary_path), status, num_workers=num_workers, wall_s=wall_s
+        )
+        logger.info(
+            "coordinator: run %s finalized: %d succeeded, %d failed (this call), %.1f rollouts/s, %d workers",
+            result.run_id,
+            status.succeeded,
+            status.failed,
+            status.rollouts_per_s,
+            num_workers,
+        )
+        return result
+
+    def _plan(self) -> RunPlan:
+        """The run's plan as the driver announced it (run id from the specs, else the run manifest)."""
+        from gym_ray.collect import RUN_MANIFEST, RunPlan
+
+        if self._specs:
+            run_id, identity = self._specs[0].run_id, self._specs[0].config_identity
+        else:
+            manifest = json.loads((Path(self._run_dir) / RUN_MANIFEST).read_text(encoding="utf-8"))
+            run_id, identity = str(manifest["run_id"]), manifest.get("config_identity")
+        return RunPlan(
+            run_dir=self._run_dir,
+            run_id=run_id,
+            config_identity=identity,
+            planned=self._rows_planned,
+            shards=tuple(self._specs),
+            resumed=any(report.already_done for report in self._reports),
+        )
+
+    def _write_distributed_summary(
+        self, path: Path, status: RunStatus, *, num_workers: int, wall_s: float
+    ) -> None:
+        summary: dict[str, Any] = {}
+        if path.exists():
+            loaded = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(loaded, dict):
+                summary = loaded
+        summary[DISTRIBUTED_KEY] = {
+            "num_workers": num_workers,
+            "workers_reporting": list(status.workers_reporting),
+            "shards_reported": len(self._timings),
+            "succeeded": status.succeeded,
+            "failed": status.failed,
+            "failed_by_class": status.failed_by_class,
+            "dispatched": status.dispatched,
+            "already_done": status.already_done,
+            "wall_s": round(wall_s, 3),
+            "rollouts_per_s": round((status.succeeded + status.failed) / wall_s, 3) if wall_s > 0 else 0.0,
+            "shard_timings": [
+                {
+                    "shard": t.shard,
+                    "worker": t.worker,
+                    "wall_s": round(t.wall_s, 4),
+                    "dispatched": t.dispatched,
+                }
+                for t in self._timings
+            ],
+        }
+        atomic_write_bytes(path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _default_client(topology: Topology, settings: RunSettings) -> ServerClient:
+    from gym_ray.collect import client_for
+
+    return client_for(topology, settings)

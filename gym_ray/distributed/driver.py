@@ -1,0 +1,307 @@
+"""The driver actor: owns a run's plan and hands shards to workers on request.
+
+Workers pull (``next_shard``); nothing is split statically, so a fast worker takes more shards and a
+straggler holds only the shards it is running. The driver tracks which worker holds which shard; when a
+worker dies (:meth:`ShardDriver.worker_lost`) its unfinished shards go back to the *front* of the queue
+and the next worker to ask resumes them (the shard writer's token makes any zombie writer fail).
+
+Concurrency promises:
+
+- Planning runs in a background task owned by the actor (each step in a thread, since it writes files) and
+  stays at most ``lookahead`` shards ahead of the hand-out: memory holds a bounded queue of small
+  :class:`~gym_ray.collect.ShardSpec`, never rows. A planner that streams (cuts and writes one shard at a
+  time) is consumed lazily; a planner that plans everything first only delays the first hand-out.
+- ``next_shard`` waits while shards are in flight elsewhere and nothing is queued: it answers ``None``
+  only when every shard is complete (or the run is aborted), so a worker that is idle near the end is still
+  there to take over a dead worker's shards.
+- A worker declared lost gets ``None`` from then on, and its late completions are ignored; an assignment
+  made to it while it was dying goes back to the queue.
+
+The actor is IO bound: start it with ``num_cpus=0`` and ``max_concurrency`` at least the number of
+concurrent ``next_shard`` callers (workers x lanes) plus a margin (see :func:`driver_max_concurrency`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gym_ray.errors import GymRayError, InternalError, ShardLockError
+
+if TYPE_CHECKING:
+    from gym_ray.collect import ShardSpec
+
+logger = logging.getLogger(__name__)
+
+#: A zero-argument callable that yields the run's shards in order (planned on disk as they are yielded).
+Planner = Callable[[], Iterable["ShardSpec"]]
+
+
+def driver_max_concurrency(num_workers: int, shards_per_worker: int) -> int:
+    """The driver actor's ``max_concurrency``: every worker lane may wait in ``next_shard`` at once."""
+    return num_workers * shards_per_worker * 2 + 16
+
+
+@dataclass(frozen=True)
+class ShardFailure:
+    """A shard that failed in a worker (typed error kept when it pickles, text always)."""
+
+    shard: str
+    worker: str
+    error_type: str
+    message: str
+    error: GymRayError | None = None
+
+
+@dataclass(frozen=True)
+class DriverStatus:
+    """A snapshot of the plan and the hand-out."""
+
+    planned_shards: int
+    planned_rows: int
+    plan_done: bool
+    queued: int
+    in_flight: dict[str, tuple[str, ...]]
+    completed: int
+    requeued_total: int
+    lost_workers: tuple[str, ...]
+    failures: tuple[ShardFailure, ...]
+    plan_error: GymRayError | None
+    finished: bool
+    assignments: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+class ShardDriver:
+    """Owns the plan; hands out shards pull-based; re-queues a dead worker's shards.
+
+    Run as a Ray async actor (``ray.remote(ShardDriver).options(num_cpus=0, max_concurrency=...)``); the
+    class is plain Python so it also works, and is tested, in one event loop.
+
+    Args:
+        planner: Yields the run's shards in order, each already written to the run folder. Called once,
+            in a thread of the actor. Errors it raises (bad input, resume conflict) abort the run and
+            are reported by :meth:`status` as ``plan_error``.
+        lookahead: How many planned shards may wait in the queue (e.g. ``2 x num_workers``).
+        coordinator: Handle of the coordinator actor, told of planning progress (optional).
+        clock: Monotonic clock, injected for tests.
+    """
+
+    def __init__(
+        self,
+        planner: Planner,
+        *,
+        lookahead: int,
+        coordinator: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if lookahead < 1:
+            raise InternalError(f"driver lookahead must be >= 1, got {lookahead}")
+        self._planner = planner
+        self._lookahead = lookahead
+        self._coordinator = coordinator
+        self._clock = clock
+        self._changed: asyncio.Condition | None = None
+        self._planner_task: asyncio.Task[None] | None = None
+        self._requeued: deque[ShardSpec] = deque()
+        self._planned: deque[ShardSpec] = deque()
+        self._plan_done = False
+        self._plan_error: GymRayError | None = None
+        self._closing = False
+        self._planned_shards = 0
+        self._planned_rows = 0
+        self._owner: dict[str, str] = {}
+        self._spec: dict[str, ShardSpec] = {}
+        self._by_worker: dict[str, set[str]] = {}
+        self._history: dict[str, list[str]] = {}
+        self._completed: set[str] = set()
+        self._lost: set[str] = set()
+        self._failures: list[ShardFailure] = []
+        self._requeued_total = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def _cond(self) -> asyncio.Condition:
+        # Created lazily: the actor's event loop exists only once a method runs.
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+            self._planner_task = asyncio.get_running_loop().create_task(self._plan_loop())
+        return self._changed
+
+    def pid(self) -> int:
+        """This actor's process id (benchmarks sample its memory)."""
+        return os.getpid()
+
+    async def start(self) -> None:
+        """Start planning now (otherwise the first ``next_shard`` starts it)."""
+        self._cond()
+
+    async def close(self) -> None:
+        """Stop planning after the shard being cut (if any) and join the planner task. Idempotent."""
+        cond = self._cond()
+        async with cond:
+            self._closing = True
+            cond.notify_all()
+        if self._planner_task is not None:
+            await self._planner_task
+
+    async def _plan_loop(self) -> None:
+        cond = self._cond()
+        try:
+            specs: Iterator[ShardSpec] = await asyncio.to_thread(lambda: iter(self._planner()))
+            while True:
+                async with cond:
+                    await cond.wait_for(lambda: self._closing or len(self._planned) < self._lookahead)
+                    if self._closing:
+                        return
+                spec = await asyncio.to_thread(next, specs, None)
+                async with cond:
+                    if spec is None:
+                        self._plan_done = True
+                    else:
+                        self._planned.append(spec)
+                        self._planned_shards += 1
+                        self._planned_rows += spec.num_rows
+                    cond.notify_all()
+                if self._coordinator is not None:
+                    await self._coordinator.plan_progress.remote(spec)
+                if spec is None:
+                    logger.info(
+                        "driver: plan complete, %d shards, %d rows", self._planned_shards, self._planned_rows
+                    )
+                    return
+        except GymRayError as exc:
+            # Typed errors (bad input, resume conflicts) are the caller's to see: keep and report them.
+            logger.error("driver: planning failed: %s", exc)
+            async with cond:
+                self._plan_error = exc
+                cond.notify_all()
+        except Exception as exc:
+            async with cond:
+                self._plan_error = InternalError(f"planning failed: {type(exc).__name__}: {exc}")
+                cond.notify_all()
+            raise
+
+    # -- hand-out --------------------------------------------------------------------------------
+
+    def _finished(self) -> bool:
+        """True when no more shards will be handed out."""
+        if self._plan_error is not None or self._failures or self._closing:
+            return True
+        return self._plan_done and not self._planned and not self._requeued and not self._owner
+
+    async def next_shard(self, worker_id: str) -> ShardSpec | None:
+        """The next shard for ``worker_id`` to run, or ``None`` when it should stop.
+
+        Waits while nothing is queued but shards are still planned or in flight elsewhere (their worker
+        might die). Returns ``None`` when every shard is complete, when the run is aborted (a shard or
+        the plan failed), or when ``worker_id`` was declared lost.
+        """
+        cond = self._cond()
+        async with cond:
+            while True:
+                if worker_id in self._lost or self._finished():
+                    return None
+                if self._requeued:
+                    spec = self._requeued.popleft()
+                    break
+                if self._planned:
+                    spec = self._planned.popleft()
+                    break
+                await cond.wait()
+            self._owner[spec.shard] = worker_id
+            self._spec[spec.shard] = spec
+            self._by_worker.setdefault(worker_id, set()).add(spec.shard)
+            self._history.setdefault(worker_id, []).append(spec.shard)
+            cond.notify_all()  # the planner may cut ahead again
+            return spec
+
+    async def shard_finished(self, worker_id: str, shard: str) -> bool:
+        """Record that ``worker_id`` completed ``shard``. False (ignored) if it no longer owns it."""
+        cond = self._cond()
+        async with cond:
+            if self._owner.get(shard) != worker_id:
+                logger.warning(
+                    "driver: ignoring completion of shard %s by %s (not its owner)", shard, worker_id
+                )
+                return False
+            del self._owner[shard]
+            self._by_worker[worker_id].discard(shard)
+            self._completed.add(shard)
+            cond.notify_all()
+            return True
+
+    async def shard_failed(self, failure: ShardFailure) -> bool:
+        """Record a shard that raised in its worker. Returns True when this aborts the run.
+
+        A :class:`~gym_ray.errors.ShardLockError` from a worker that no longer owns the shard means a
+        newer worker took it over: ignored. Any other failure aborts the hand-out (workers finish what
+        they hold); the run folder stays resumable.
+        """
+        cond = self._cond()
+        async with cond:
+            owner = self._owner.get(failure.shard)
+            if failure.error_type == ShardLockError.__name__ and owner != failure.worker:
+                logger.info(
+                    "driver: shard %s superseded in %s (now owned by %s)",
+                    failure.shard,
+                    failure.worker,
+                    owner,
+                )
+                return False
+            if owner == failure.worker:
+                del self._owner[failure.shard]
+                self._by_worker[failure.worker].discard(failure.shard)
+            self._failures.append(failure)
+            logger.error("driver: shard %s failed in %s: %s", failure.shard, failure.worker, failure.message)
+            cond.notify_all()
+            return True
+
+    async def worker_lost(self, worker_id: str) -> list[str]:
+        """Declare ``worker_id`` dead: its unfinished shards go back to the front of the queue.
+
+        Returns:
+            The re-queued shard names, in plan order.
+        """
+        cond = self._cond()
+        async with cond:
+            self._lost.add(worker_id)
+            held = sorted(self._by_worker.pop(worker_id, set()))
+            for shard in reversed(held):
+                del self._owner[shard]
+                self._requeued.appendleft(self._spec[shard])
+            self._requeued_total += len(held)
+            if held:
+                logger.warning("driver: worker %s lost; re-queued shards %s", worker_id, ", ".join(held))
+            cond.notify_all()
+            return held
+
+    async def status(self) -> DriverStatus:
+        """A snapshot of the plan, the queue and who holds what."""
+        async with self._cond():
+            return DriverStatus(
+                planned_shards=self._planned_shards,
+                planned_rows=self._planned_rows,
+                plan_done=self._plan_done,
+                queued=len(self._planned) + len(self._requeued),
+                in_flight={w: tuple(sorted(s)) for w, s in self._by_worker.items() if s},
+                completed=len(self._completed),
+                requeued_total=self._requeued_total,
+                lost_workers=tuple(sorted(self._lost)),
+                failures=tuple(self._failures),
+                plan_error=self._plan_error,
+                finished=self._finished(),
+                assignments={w: tuple(s) for w, s in self._history.items()},
+            )
+
+    async def wait_finished(self) -> DriverStatus:
+        """Wait until no more shards will be handed out, then return the status."""
+        cond = self._cond()
+        async with cond:
+            await cond.wait_for(self._finished)
+        return await self.status()
