@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 
 def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The error a caller should see from a task group: the first leaf that is not a cancellation.
@@ -20,8 +22,6 @@ def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
             leaves.append(exc)
 
     walk(group)
-    import asyncio
-
     for leaf in leaves:
         if not isinstance(leaf, asyncio.CancelledError):
             return leaf
