@@ -325,10 +325,7 @@ async def resolve_topology(cfg: dict[str, Any], *, client_timeout_s: float = 30.
     if local.instances or local.head_url is None:
         return local
     remote = await fetch_global_config(local.head_url, timeout_s=client_timeout_s)
-    merged = dict(remote)
-    merged.update({k: v for k, v in cfg.items() if k not in remote or k != keys.HEAD_SERVER})
-    merged[keys.HEAD_SERVER] = cfg[keys.HEAD_SERVER]
-    return Topology.from_config(merged)
+    return Topology.from_config({**remote, **cfg})
 
 
 def client_for(topology: Topology, settings: RunSettings) -> ServerClient:

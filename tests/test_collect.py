@@ -213,3 +213,14 @@ async def test_kill_9_mid_run_then_resume_loses_nothing_and_reruns_nothing_recor
         assert {identity: counts[identity] for identity in before} == dict.fromkeys(before, 1)
         report = check_run(out, acknowledged=before)
         assert (report.lost, report.missing, report.duplicates, report.unexpected) == (0, 0, 0, 0)
+
+
+async def test_a_config_naming_only_the_head_server_collects_from_the_running_deployment(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    head = deployment.config["head_server"]
+    result = await acollect_local(
+        {"head_server": head}, rows=_rows(5), output_dir=str(tmp_path / "run"), num_repeats=2
+    )
+    assert (result.planned, result.succeeded) == (10, 10)
+    assert deployment.stats("calc_env").requests == 10
