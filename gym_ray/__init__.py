@@ -31,6 +31,8 @@ from gym_ray.helper import RolloutCollectionHelper
 from gym_ray.ledger import LedgerReport, check_run
 from gym_ray.outcomes import RolloutFailureRecord
 from gym_ray.preprocess import load_jsonl, preprocess_examples
+from gym_ray.stream import RolloutStream, RowFeed, stream
+from gym_ray.stream_sync import stream_sync
 from gym_ray.topology import Topology
 from gym_ray.validation import resolve_task_sources, validate_rows
 
@@ -50,7 +52,9 @@ __all__ = [
     "ResumeError",
     "RolloutCollectionHelper",
     "RolloutFailureRecord",
+    "RolloutStream",
     "RoutingError",
+    "RowFeed",
     "RunRejectedError",
     "RunResult",
     "RunSettings",
@@ -73,5 +77,7 @@ __all__ = [
     "load_jsonl",
     "preprocess_examples",
     "resolve_task_sources",
+    "stream",
+    "stream_sync",
     "validate_rows",
 ]

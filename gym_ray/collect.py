@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -34,7 +35,7 @@ from gym_ray.config import RunSettings, load_config
 from gym_ray.dispatch import dispatch
 from gym_ray.errors import NoProgressError, UsageError
 from gym_ray.merge import merge_shards
-from gym_ray.outcomes import CompletedRollout, RolloutFailureRecord, build_record
+from gym_ray.outcomes import record_of
 from gym_ray.plan import (
     DEFAULT_SHARD_SIZE,
     RUN_MANIFEST,
@@ -44,6 +45,7 @@ from gym_ray.plan import (
     plan_run,
     prepare_run,
 )
+from gym_ray.progress import ProgressCounter, ProgressDisplay
 from gym_ray.records import ShardWriter
 from gym_ray.resume import plan_resume
 from gym_ray.topology import Topology
@@ -185,7 +187,7 @@ async def run_shard(
             async with asyncio.timeout_at(loop.time() + stall_s) as watchdog:
                 async for row, outcome in completions:
                     watchdog.reschedule(loop.time() + stall_s)
-                    record = _record_of(row, outcome)
+                    record = record_of(row, outcome)
                     written = writer.append(record)
                     if written is None:
                         omitted += 1
@@ -223,18 +225,6 @@ async def run_shard(
     )
 
 
-def _record_of(row: dict[str, Any], outcome: CompletedRollout | RolloutFailureRecord) -> dict[str, Any]:
-    """What recording writes for one outcome: a failure row, or the result with the row's identity."""
-    if isinstance(outcome, RolloutFailureRecord):
-        return outcome.to_row()
-    return build_record(
-        row,
-        outcome.result,
-        environment_server=outcome.environment_server,
-        result_type=outcome.environment_server_type,
-    )
-
-
 async def run_shards(
     next_spec: Callable[[], Awaitable[ShardSpec | None]],
     *,
@@ -245,27 +235,53 @@ async def run_shards(
     on_report: Callable[[ShardReport], Awaitable[None]] | None = None,
     on_outcome: OutcomeHook | None = None,
     worker: str | None = None,
+    shard_fn: Callable[..., Awaitable[ShardReport]] | None = None,
+    on_error: Callable[[ShardSpec, Exception], Awaitable[None]] | None = None,
 ) -> list[ShardReport]:
     """Run shards as ``next_spec`` hands them out until it returns None; the loop of one worker.
 
     ``parallel_shards`` lanes pull shards and share one semaphore of ``max_resident_tasks`` requests, so
     the concurrency window stays full while one shard drains its tail and the next one starts. Live
     rollout tasks stay below ``parallel_shards * max_resident_tasks``.
+
+    Args:
+        next_spec: Hands out the next shard, or None when there is none left (each lane then stops).
+        client: The HTTP client pool of this process.
+        topology: The running config.
+        settings: The run's settings.
+        parallel_shards: Lanes (shards run at once).
+        on_report: Awaited with each finished shard's report, in the lane that ran it.
+        on_outcome: Passed to the shard function (called per record on disk).
+        worker: A name for reports.
+        shard_fn: Runs one shard, called like :func:`run_shard` (the default).
+        on_error: Awaited with ``(spec, exc)`` when a shard raises an ``Exception``; the lane then moves on
+            to the next shard and the other lanes are not disturbed. Without it the first error cancels
+            every lane and is raised. Cancellation always propagates.
+
+    Returns:
+        The reports of the shards that finished, in completion order.
     """
+    run_one = shard_fn or run_shard
     semaphore = asyncio.Semaphore(settings.max_resident_tasks)
     reports: list[ShardReport] = []
 
     async def lane() -> None:
         while (spec := await next_spec()) is not None:
-            report = await run_shard(
-                spec,
-                client=client,
-                topology=topology,
-                settings=settings,
-                semaphore=semaphore,
-                on_outcome=on_outcome,
-                worker=worker,
-            )
+            try:
+                report = await run_one(
+                    spec,
+                    client=client,
+                    topology=topology,
+                    settings=settings,
+                    semaphore=semaphore,
+                    on_outcome=on_outcome,
+                    worker=worker,
+                )
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                await on_error(spec, exc)
+                continue
             reports.append(report)
             if on_report is not None:
                 await on_report(report)
@@ -416,6 +432,7 @@ async def acollect_local(
     *,
     rows: Iterable[Mapping[str, Any]] | None = None,
     overrides: Iterable[str] = (),
+    progress: bool | None = None,
     **settings: Any,
 ) -> RunResult:
     """Collect a whole config in this process: plan, run every shard, finalize.
@@ -427,6 +444,8 @@ async def acollect_local(
         config: A config dict or YAML path(s).
         rows: Input rows (a list); default: the config's ``input_jsonl_fpath``.
         overrides: YAML-path overrides (``+output_dir=runs/r1``).
+        progress: Show a :class:`~gym_ray.progress.ProgressDisplay` on stderr (rollouts this call runs,
+            rate, failures, ETA, mean reward per environment server); None shows it when stderr is a TTY.
         **settings: Run settings that win over the config (``output_dir=...``, ``num_repeats=4``).
 
     Returns:
@@ -442,10 +461,20 @@ async def acollect_local(
     async def next_spec() -> ShardSpec | None:
         return next(specs, None)
 
+    display = ProgressDisplay(0, stream=sys.stderr, enabled=progress)
+    if display.enabled:
+        display.total = await asyncio.to_thread(_pending_count, plan, run_settings)
     tracer = setup_tracing_from_config(cfg)
     with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
         async with client_for(topology, run_settings) as client:
-            reports = await run_shards(next_spec, client=client, topology=topology, settings=run_settings)
+            with display:
+                reports = await run_shards(
+                    next_spec,
+                    client=client,
+                    topology=topology,
+                    settings=run_settings,
+                    on_outcome=ProgressCounter(display) if display.enabled else None,
+                )
             return await finalize_run(
                 plan,
                 reports,
@@ -454,3 +483,13 @@ async def acollect_local(
                 settings=run_settings,
                 wall_s=time.monotonic() - started,
             )
+
+
+def _pending_count(plan: RunPlan, settings: RunSettings) -> int:
+    """Rollouts a run of ``plan`` still has to dispatch (the progress display's total)."""
+    return sum(
+        plan_resume(
+            plan.run_dir, spec.shard, max_rollout_attempts=settings.max_rollout_attempts
+        ).pending_count
+        for spec in plan.shards
+    )

@@ -6,18 +6,25 @@ server (again on every call, unless ``cache_head_config=True``). ``aclose()`` cl
 
 Concurrency promises are those of :mod:`gym_ray.dispatch`: one task per row, lazy bounded admission,
 every task joined by the iterator's ``aclose()`` / ``aclose_and_drain()``.
+
+Recording (``record_output_dir`` + ``record_shard``) writes each outcome from its row's own task through
+the shard's locked writer (:mod:`gym_ray._internal.recording`); the rows are then held as a list (the
+shard's materialized inputs are written whole before the first row runs), so memory grows with the rows
+of that call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gym_ray import keys
+from gym_ray._internal.recording import ShardRecorder
 from gym_ray.client import HeadClientCache, ServerClient, fetch_global_config
 from gym_ray.dispatch import (
     DispatchIterator,
@@ -33,6 +40,8 @@ from gym_ray.topology import Topology
 
 Row = dict[str, Any]
 HeadConfig = str | Mapping[str, Any] | Topology
+R = TypeVar("R")
+T = TypeVar("T")
 #: Rows validated per batch when the input is a one-shot iterator (a list is validated whole).
 VALIDATION_BATCH = 1024
 
@@ -49,6 +58,26 @@ class _LiveTopology:
 
     def url_of(self, instance: str) -> str:
         return self._helper._require_topology().url_of(instance)
+
+
+class _RecordingIterator(DispatchIterator[R, T]):
+    """A dispatch whose outcomes are recorded: closing it also finishes the shard (progress, close)."""
+
+    _recorder: ShardRecorder | None = None
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            if self._recorder is not None:
+                self._recorder.closing()
+
+    async def aclose_and_drain(self) -> list[asyncio.Future[T]]:
+        try:
+            return await super().aclose_and_drain()
+        finally:
+            if self._recorder is not None:
+                self._recorder.closing()
 
 
 def _head_url_of(config: Mapping[str, Any]) -> str | None:
@@ -248,7 +277,14 @@ class RolloutCollectionHelper:
         retry_requests: bool,
         batch_size: int,
         enrich: tuple[bool, bool] | None = None,
+        recorder: ShardRecorder | None = None,
     ) -> DispatchIterator[Row, Any]:
+        if recorder is not None:
+            rows = recorder.stamp(rows)
+            batch_size = len(rows)  # one validation batch: the inputs file is written before any row runs
+            if not route_failures_to_sidecar and (not record_unrouted_failures or record_failure is not None):
+                record_failure = recorder.failure_recorder(record_failure)
+                record_unrouted_failures = True
         runner = build_dispatcher(
             self._client,
             self._topology,  # type: ignore[arg-type]  # set by prepare() before any row runs
@@ -281,13 +317,17 @@ class RolloutCollectionHelper:
                 ]
             batch = resolve_task_sources(stamp_environment_agent_refs(batch, topology), topology)
             validate_rows(batch, topology)
+            if recorder is not None:
+                recorder.start(batch, config_identity=topology.identity_digest())
             return batch
 
         source: Iterable[Row] = interleave_by_agent(rows) if interleave else rows
         run: Callable[[Row], Coroutine[Any, Any, tuple[Row, Any]]] = runner.run
         if enrich is not None:
             run = _enriching(runner, include_payloads=enrich[0], delete_capture=enrich[1])
-        it: DispatchIterator[Row, Any] = DispatchIterator(
+        if recorder is not None:
+            run = recorder.wrap(run)
+        it: _RecordingIterator[Row, Any] = _RecordingIterator(
             source,
             run,
             max_resident_tasks=max_resident_tasks,
@@ -296,6 +336,7 @@ class RolloutCollectionHelper:
             batch_size=batch_size,
         )
         it._dispatcher = runner
+        it._recorder = recorder
         return it
 
     def run_examples(
@@ -316,6 +357,9 @@ class RolloutCollectionHelper:
         enrich_results: bool = False,
         include_model_call_payloads: bool = True,
         delete_model_call_capture: bool = False,
+        record_output_dir: str | os.PathLike[str] | None = None,
+        record_shard: str | None = None,
+        record_omitted_rollouts: bool = False,
     ) -> DispatchIterator[Row, tuple[Row, Row]]:
         """POST each row to its environment server's ``/run``; awaitables of ``(row, result)`` as they finish.
 
@@ -360,6 +404,19 @@ class RolloutCollectionHelper:
                 captured model calls.
             delete_model_call_capture: With ``enrich_results``, remove each rollout's capture file after
                 it is merged (needs ``include_model_call_payloads``).
+            record_output_dir: With ``record_shard``, also record every rollout as shard ``record_shard``
+                of this run folder, as collection records a shard: ``rollouts-<shard>.jsonl`` (the
+                returned records), its failures sidecar (typed failure rows; an unrouted ``/run``
+                failure is kept there before it is raised), the rows as its materialized inputs and its
+                manifest (written before the first row runs), and its progress (written once the
+                iterator is exhausted or closed). It implies ``enrich_results``. The rows are dispatched
+                as copies naming the shard's run (``_ng_run_id``, a fresh id), each with the rollout id
+                ``<run_id>-<own id>`` (own id: the row's ``_ng_rollout_id``, else ``<task>-<rollout>``),
+                so they need integer ``_ng_task_index`` / ``_ng_rollout_index``. ``plan_resume`` and
+                ``gym-ray status`` read the shard like a collection shard. The rows are held as a list
+                (memory grows with them); record large inputs with ``gym-ray run``.
+            record_shard: The shard label (``[A-Za-z0-9._-]``); the shard must not hold records yet.
+            record_omitted_rollouts: When recording, keep drained rows in the failures sidecar.
 
         Returns:
             An iterator of awaitables (also ``async for``), with ``aclose()``, ``aclose_and_drain()`` and
@@ -367,9 +424,15 @@ class RolloutCollectionHelper:
 
         Raises:
             UsageError: ``max_resident_tasks`` < 1 or a negative budget (at call),
-            ``delete_model_call_capture`` without the payloads (at call); ``ValidationError`` /
-            ``RoutingError`` from validation at first consumption.
+            ``delete_model_call_capture`` without the payloads (at call), only one of
+            ``record_output_dir`` / ``record_shard``, or a shard that already holds records (at call);
+            ``ValidationError`` / ``RoutingError`` from validation at first consumption.
+            InputError: When recording, a row without integer rollout identities (at call).
+            ConfigError: An invalid ``record_shard`` label (at call).
+            ShardLockError, ShardIOError: From the shard writer, raised by the awaitable of the row
+                whose record could not be written.
         """
+        recorder = _recorder_for(record_output_dir, record_shard, uuid.uuid4().hex, record_omitted_rollouts)
         return self._iterator(
             examples,
             shape="examples",
@@ -385,7 +448,10 @@ class RolloutCollectionHelper:
             interleave=interleave_by_agent,
             retry_requests=retry_requests,
             batch_size=len(examples) if isinstance(examples, Sequence) else VALIDATION_BATCH,
-            enrich=_enrich_options(enrich_results, include_model_call_payloads, delete_model_call_capture),
+            enrich=_enrich_options(
+                enrich_results or recorder is not None, include_model_call_payloads, delete_model_call_capture
+            ),
+            recorder=recorder,
         )
 
     def run_outcomes(
@@ -404,6 +470,9 @@ class RolloutCollectionHelper:
         enrich_results: bool = False,
         include_model_call_payloads: bool = True,
         delete_model_call_capture: bool = False,
+        record_output_dir: str | os.PathLike[str] | None = None,
+        record_shard: str | None = None,
+        record_omitted_rollouts: bool = False,
     ) -> DispatchIterator[Row, tuple[Row, Row | RolloutFailureRecord]]:
         """``async for row, outcome in helper.run_outcomes(rows)``: typed outcomes in completion order.
 
@@ -417,10 +486,13 @@ class RolloutCollectionHelper:
         when given (overriding row stamps), else the row's own stamp, else one fresh id shared by this
         call. Input rows are never modified. Call :meth:`preprocess_examples` first, or give rows stable
         explicit rollout ids. ``enrich_results`` adds ``ng_model_call_capture`` / ``ng_trajectory`` /
-        ``ng_perf`` to completed records (see :meth:`run_examples`). Other arguments and closing are as in
-        :meth:`run_examples`.
+        ``ng_perf`` to completed records (see :meth:`run_examples`). ``record_output_dir`` /
+        ``record_shard`` / ``record_omitted_rollouts`` record the shard as in :meth:`run_examples`; the
+        shard's run id is then ``run_id`` (else a fresh one) and names every row copy. Other arguments and
+        closing are as in :meth:`run_examples`.
         """
         invocation_id = run_id if run_id is not None else uuid.uuid4().hex
+        recorder = _recorder_for(record_output_dir, record_shard, invocation_id, record_omitted_rollouts)
 
         def stamped(rows: Iterable[Mapping[str, Any]]) -> Iterator[Row]:
             for row in rows:
@@ -443,8 +515,24 @@ class RolloutCollectionHelper:
             interleave=interleave_by_agent,
             retry_requests=retry_requests,
             batch_size=len(examples) if isinstance(examples, Sequence) else VALIDATION_BATCH,
-            enrich=_enrich_options(enrich_results, include_model_call_payloads, delete_model_call_capture),
+            enrich=_enrich_options(
+                enrich_results or recorder is not None, include_model_call_payloads, delete_model_call_capture
+            ),
+            recorder=recorder,
         )
+
+
+def _recorder_for(
+    run_dir: str | os.PathLike[str] | None, shard: str | None, run_id: str, keep_omitted: bool
+) -> ShardRecorder | None:
+    if run_dir is None and shard is None:
+        return None
+    if run_dir is None or shard is None:
+        raise UsageError(
+            f"record_output_dir={run_dir!r} and record_shard={shard!r}: recording needs both, the run "
+            "folder and the shard label (e.g. record_output_dir='runs/r1', record_shard='shard-0000')"
+        )
+    return ShardRecorder(run_dir, shard, run_id=run_id, record_omitted_rollouts=keep_omitted)
 
 
 def _enrich_options(enrich: bool, include_payloads: bool, delete_capture: bool) -> tuple[bool, bool] | None:

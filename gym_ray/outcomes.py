@@ -8,7 +8,7 @@ plain picklable data crosses a Ray actor boundary:
   object), an episode failure, or a result that uses collector-reserved keys.
 - :func:`drained_result`: the collector-built result of a row the dispatch budget never started.
 
-:func:`build_record` turns an outcome into the line recording writes.
+:func:`build_record` / :func:`record_of` turn an outcome into the line recording writes.
 """
 
 from __future__ import annotations
@@ -278,6 +278,28 @@ def build_record(
     if result_type is not None:
         record[keys.RESULT_TYPE] = result_type
     return record
+
+
+def record_of(row: Mapping[str, Any], outcome: CompletedRollout | RolloutFailureRecord) -> dict[str, Any]:
+    """What recording writes for one dispatch outcome (collection and the helper's recording share it).
+
+    Args:
+        row: The dispatched row.
+        outcome: A ``completed``-shape dispatch outcome.
+
+    Returns:
+        The failure-sidecar line of a failure record (:meth:`RolloutFailureRecord.to_row`), else the
+        result with the row's identity (:func:`build_record`, with the server the row went to and its
+        implementation as ``_ng_result_type``).
+    """
+    if isinstance(outcome, RolloutFailureRecord):
+        return outcome.to_row()
+    return build_record(
+        row,
+        outcome.result,
+        environment_server=outcome.environment_server,
+        result_type=outcome.environment_server_type,
+    )
 
 
 def drained_result(remaining_s: float, margin_s: float | None) -> dict[str, Any]:

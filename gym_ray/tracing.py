@@ -13,7 +13,7 @@ Rollouts are never descendants of the job span, so each trace stays bounded by o
 :func:`setup_tracing` returns None and the dispatch hot path pays one ``is None`` test per rollout.
 
 Configuration: the run config's ``tracing:`` block (:class:`TracingSettings`), then the standard
-environment variables, which win: ``OTEL_TRACES_EXPORTER`` (``none|console|otlp|memory``),
+environment variables, which win: ``OTEL_TRACES_EXPORTER`` (``none|console|otlp|memory|file``),
 ``OTEL_SERVICE_NAME``, ``OTEL_SDK_DISABLED=true`` (forces tracing off); the OTLP exporter itself reads
 ``OTEL_EXPORTER_OTLP_*``.
 
@@ -31,10 +31,11 @@ reader of the ``console`` and ``otlp`` exporters (joined by :func:`shutdown_trac
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -51,12 +52,13 @@ from opentelemetry.sdk.metrics.export import (
     PeriodicExportingMetricReader,
 )
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
     SimpleSpanProcessor,
     SpanExporter,
+    SpanExportResult,
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PRESETS",
     "TRACING_KEY",
+    "JsonlSpanExporter",
     "RunMetrics",
     "Tracer",
     "TracingSettings",
@@ -94,8 +97,8 @@ PRESETS: dict[str, frozenset[str]] = {
     "per_rollout": frozenset({"rollout", "http_client", "server"}),
 }
 Preset = Literal["default", "per_rollout"]
-ExporterName = Literal["none", "console", "otlp", "memory"]
-_EXPORTERS = ("none", "console", "otlp", "memory")
+ExporterName = Literal["none", "console", "otlp", "memory", "file"]
+_EXPORTERS = ("none", "console", "otlp", "memory", "file")
 _OTLP_MODULES = (
     "opentelemetry.exporter.otlp.proto.http.trace_exporter",
     "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
@@ -132,7 +135,10 @@ class TracingSettings(BaseModel):
         preset: ``default`` (job span + per-rollout traces + HTTP client spans) or ``per_rollout`` (no job
             span: each rollout is its own unlinked root trace).
         exporter: ``none`` (spans are made and propagated, not exported), ``console``, ``otlp`` (needs
-            ``pip install opentelemetry-exporter-otlp``) or ``memory`` (tests; see :attr:`Tracer.memory`).
+            ``pip install opentelemetry-exporter-otlp``), ``memory`` (tests; see :attr:`Tracer.memory`) or
+            ``file`` (one JSON line per span appended to ``file_path`` by every process, Ray workers
+            included; see :class:`JsonlSpanExporter`).
+        file_path: The span file of the ``file`` exporter (required by it).
         service_name: The ``service.name`` resource attribute.
         metrics_enabled: Also export :class:`RunMetrics` through the same exporter kind.
         metrics_interval_s: Export interval of periodic metric exporters (console, otlp).
@@ -146,6 +152,7 @@ class TracingSettings(BaseModel):
     service_name: str = "gym-ray"
     metrics_enabled: bool = False
     metrics_interval_s: float = 60.0
+    file_path: str | None = None
 
     @classmethod
     def from_config(
@@ -498,6 +505,52 @@ def attach_traceparent(traceparent: str | None) -> Iterator[SpanContext | None]:
         otel_context.detach(token)
 
 
+class JsonlSpanExporter(SpanExporter):
+    """Appends one JSON line per finished span to ``path``; several processes may share the file.
+
+    A line: ``name``, ``trace_id``/``span_id``/``parent_span_id`` (hex), ``links`` (``[{trace_id,
+    span_id}]``), ``attributes``, ``status`` (``UNSET|OK|ERROR``), ``pid``. Each export is one ``write``
+    on an ``O_APPEND`` descriptor, so lines from concurrent processes do not interleave on a local disk.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        """Append ``spans`` (one line each)."""
+        data = "".join(json.dumps(_span_line(span), separators=(",", ":")) + "\n" for span in spans)
+        with self._lock:
+            if self._fd < 0:
+                return SpanExportResult.FAILURE
+            os.write(self._fd, data.encode())
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        """Close the file (later exports fail)."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _span_line(span: ReadableSpan) -> dict[str, Any]:
+    ctx, parent = span.get_span_context(), span.parent
+    return {
+        "name": span.name,
+        "trace_id": f"{ctx.trace_id:032x}" if ctx else None,
+        "span_id": f"{ctx.span_id:016x}" if ctx else None,
+        "parent_span_id": f"{parent.span_id:016x}" if parent else None,
+        "links": [
+            {"trace_id": f"{x.context.trace_id:032x}", "span_id": f"{x.context.span_id:016x}"}
+            for x in span.links
+        ],
+        "attributes": dict(span.attributes or {}),
+        "status": span.status.status_code.name,
+        "pid": os.getpid(),
+    }
+
+
 # --- providers ---------------------------------------------------------------------------------------
 
 _cache: dict[TracingSettings, Tracer] = {}
@@ -560,6 +613,14 @@ def _build(
     elif settings.exporter == "otlp":
         otlp_spans = _import_first(_OTLP_MODULES, "OTLPSpanExporter")
         provider.add_span_processor(BatchSpanProcessor(otlp_spans()))
+    elif settings.exporter == "file":
+        if not settings.file_path:
+            raise ConfigError(
+                "tracing.exporter = 'file' needs tracing.file_path (the JSONL file spans are appended to); "
+                "add e.g. tracing: {file_path: runs/r1/spans.jsonl}",
+                key=f"{TRACING_KEY}.file_path",
+            )
+        provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(settings.file_path)))
     metrics: RunMetrics | None = None
     meter_provider: MeterProvider | None = None
     if settings.metrics_enabled:

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gym_ray import keys
+from gym_ray._internal.shard_files import shard_paths
 from gym_ray.collect import ShardSpec
 from gym_ray.distributed.driver import ShardDriver, ShardFailure
 from gym_ray.errors import InputError, ShardIOError, ShardLockError
+from gym_ray.plan import RUN_MANIFEST, iter_plan
 
 
 def _specs(count: int, pulled: list[str] | None = None) -> Iterator[ShardSpec]:
@@ -125,3 +132,33 @@ async def test_shard_failures(worker: str, error_type: str, aborts: bool) -> Non
     assert (len(status.failures), status.finished) == (int(aborts), aborts)
     assert (await driver.next_shard("w1") is None) is aborts
     await driver.close()
+
+
+async def test_a_lazy_plan_hands_out_shard_0_before_the_input_is_cut_and_is_closed_on_close(
+    tmp_path: Path,
+) -> None:
+    consumed: list[int] = []
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for task in range(100):
+            consumed.append(task)
+            yield {keys.TASK_INDEX: task, keys.ROLLOUT_INDEX: 0}
+
+    planner = functools.partial(iter_plan, rows(), tmp_path, config_identity=None, shard_size=10)
+    driver = ShardDriver(planner, lookahead=1)
+    first = await driver.next_shard("w0")
+    assert first is not None
+    assert (first.shard, first.num_rows) == ("00000", 10)
+    assert shard_paths(tmp_path, "00000").materialized_inputs.exists()
+    await _settle()
+    assert len(consumed) < 40  # at most lookahead shards are cut ahead of the hand-out
+    assert not shard_paths(tmp_path, "00009").materialized_inputs.exists()
+    await driver.close()
+    # the unfinished planner was closed: its staging folder is gone, the run manifest not completed
+    assert _leftovers(tmp_path) == ([], None)
+
+
+def _leftovers(run_dir: Path) -> tuple[list[str], Any]:
+    """(staging folders left in ``run_dir``, the run manifest's ``num_shards``)."""
+    staging = [p.name for p in run_dir.iterdir() if p.name.startswith(".staging")]
+    return staging, json.loads((run_dir / RUN_MANIFEST).read_text(encoding="utf-8"))["num_shards"]

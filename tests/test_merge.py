@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
+from gym_ray._internal.jsonl import parse_record
 from gym_ray.errors import ConfigError, InputError
 from gym_ray.merge import merge_shards
 from gym_ray.records import ShardWriter, shard_paths
@@ -188,3 +189,147 @@ def test_merge_rejects_bad_arguments(tmp_path: Path, kwargs: dict[str, Any], fra
     write_shard(tmp_path, "a", [rec(0, 0)])
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         merge_shards(tmp_path, **kwargs)
+
+
+def write_lines(run_dir: Path, name: str, lines: list[bytes]) -> None:
+    (run_dir / name).write_bytes(b"".join(lines))
+
+
+def test_nested_identity_keys_do_not_stand_in_for_top_level_ones(tmp_path: Path) -> None:
+    nested = {keys.TASK_INDEX: 99, keys.ROLLOUT_INDEX: 99, keys.ATTEMPT_INDEX: 7}
+    write_shard(
+        tmp_path,
+        "a",
+        [
+            rec(1, 0, meta=nested),
+            fail(0, 0, 0, meta=nested, note='"_ng_attempt_index":5'),
+            fail(0, 0, 0, meta=nested),
+            fail(0, 0, 2, meta={keys.FAILURE_TERMINAL: True, keys.NO_PERSIST: True}),
+        ],
+    )
+    result = merge_shards(tmp_path)
+    assert read(tmp_path / "rollouts.jsonl") == [rec(1, 0, meta=nested)]
+    assert read(tmp_path / "rollouts_failures.jsonl") == [
+        fail(0, 0, 0, meta=nested, note='"_ng_attempt_index":5'),
+        fail(0, 0, 2, meta={keys.FAILURE_TERMINAL: True, keys.NO_PERSIST: True}),
+    ]
+    assert (result.duplicate_failures_dropped, result.terminal_failures, result.omitted_rows_skipped) == (
+        1,
+        0,
+        0,
+    )
+
+
+def test_nested_identity_without_top_level_identity_is_an_input_error(tmp_path: Path) -> None:
+    write_lines(tmp_path, "rollouts-a.jsonl", [b'{"meta":{"_ng_task_index":1,"_ng_rollout_index":0}}\n'])
+    with pytest.raises(InputError, match=r"rollouts-a\.jsonl:1: record has no integer _ng_task_index"):
+        merge_shards(tmp_path)
+
+
+def test_output_lines_are_the_shard_lines_byte_for_byte(tmp_path: Path) -> None:
+    # Spacing, key order, escapes, non-ASCII text, repeated keys and a missing final newline survive as-is.
+    a_lines = [
+        b'{ "_ng_rollout_index" : 0, "_ng_task_index" : 2, "text": "caf\\u00e9 \xc3\xa9" }\n',
+        b'{"_ng_task_index":0,"_ng_rollout_index":0,"x":1.50,"x":2}\n',
+        b"\n",
+        b'\t{"_ng_task_index":1,"_ng_rollout_index":0,"big":1e400,"n":NaN}  \n',
+    ]
+    write_lines(tmp_path, "rollouts-a.jsonl", a_lines)
+    write_lines(tmp_path, "rollouts-b.jsonl", [b'{"_ng_task_index":3,"_ng_rollout_index":0,"z":[]}'])
+    write_lines(
+        tmp_path,
+        "rollouts-b_failures.jsonl",
+        [b'{"_ng_task_index":4,"_ng_rollout_index":1,"_ng_failure_class":"cancelled","s":"\\ud800"}\n'],
+    )
+    result = merge_shards(tmp_path)
+    assert (tmp_path / "rollouts.jsonl").read_bytes() == b"".join(
+        [a_lines[1], a_lines[3], a_lines[0], b'{"_ng_task_index":3,"_ng_rollout_index":0,"z":[]}\n']
+    )
+    assert (tmp_path / "rollouts_failures.jsonl").read_bytes() == (
+        b'{"_ng_task_index":4,"_ng_rollout_index":1,"_ng_failure_class":"cancelled","s":"\\ud800"}\n'
+    )
+    assert (result.successes, result.failures, result.corrupt_lines) == (4, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "indices",
+    [
+        pytest.param([-(2**70), 2**64, -5, 0, 2**63, -(2**63), 2**63 - 1, 10**30], id="outside-int64"),
+        pytest.param([2**200, 3, 2**200 + 1, -(2**300)], id="very-wide"),
+    ],
+)
+def test_indices_of_any_size_order_like_integers(tmp_path: Path, indices: list[int]) -> None:
+    shards = [[rec(t, t % 3 if t >= 0 else 0, src="a") for t in indices[::2]]]
+    shards.append([fail(t, 1, attempt=abs(t) % 5, src="b") for t in indices[1::2]] + [rec(indices[0], 0)])
+    for number, records in enumerate(shards):
+        write_shard(tmp_path, f"s{number}", records)
+    merge_shards(tmp_path, fan_in=2)
+    expected_successes, expected_failures = _reference_merge(shards)
+    assert read(tmp_path / "rollouts.jsonl") == expected_successes
+    assert read(tmp_path / "rollouts_failures.jsonl") == expected_failures
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize("shard_count", [pytest.param(1, id="one-shard"), pytest.param(5, id="five-shards")])
+def test_disjoint_and_overlapping_shards_merge_alike(tmp_path: Path, shard_count: int) -> None:
+    disjoint = [
+        [rec(t, r, src=f"{n}") for t in range(n * 10 + 9, n * 10 - 1, -1) for r in (1, 0)]
+        for n in range(shard_count)
+    ]
+    overlapping = [
+        [rec(t, r, src=f"{n}") for t in range(9, -1, -1) for r in (1, 0)] for n in range(shard_count)
+    ]
+    for name, shards in (("d", disjoint), ("o", overlapping)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        for number, records in enumerate(shards):
+            write_shard(run_dir, f"s{number}", records)
+        result = merge_shards(run_dir, fan_in=2)
+        expected_successes, _ = _reference_merge(shards)
+        assert read(run_dir / "rollouts.jsonl") == expected_successes
+        assert result.duplicate_successes_dropped == (0 if name == "d" else 20 * (shard_count - 1))
+
+
+def _mutations(seed: int, count: int) -> list[bytes]:
+    rng = random.Random(seed)
+    base = [
+        json.dumps(
+            rec(3, 1, 2, text="ab\u00e9", n=[1.5, None, True], o={"k": "v"}), ensure_ascii=False
+        ).encode(),
+        json.dumps(fail(3, 1, 0, _ng_failure_terminal=True, e=-0.0, u="\\u00e9")).encode(),
+    ]
+    alphabet = b'{}[]":,0123456789.eE+-tfnulNaI\\ \t\r\x00\x7f\xc3\xa9\xed\xff'
+    lines = []
+    for _ in range(count):
+        line = bytearray(rng.choice(base))
+        for _ in range(rng.randrange(1, 3)):
+            position = rng.randrange(len(line))
+            choice = rng.random()
+            if choice < 0.4:
+                line[position] = rng.choice(alphabet)
+            elif choice < 0.7:
+                del line[position]
+            else:
+                line.insert(position, rng.choice(alphabet))
+        lines.append(bytes(line).replace(b"\n", b" "))
+    return lines
+
+
+def test_merge_classifies_mutated_lines_like_the_jsonl_reader(tmp_path: Path) -> None:
+    """The fast parser reaches parse_record's verdict (record or corrupt) and reads the same keys."""
+    lines = _mutations(seed=7, count=400)
+    for index, line in enumerate(lines):
+        run_dir = tmp_path / f"case-{index}"
+        run_dir.mkdir()
+        write_lines(run_dir, "rollouts-a.jsonl", [line + b"\n"])
+        record = parse_record(line)
+        if record is None:
+            assert merge_shards(run_dir).corrupt_lines == 1, line
+            continue
+        if type(record.get(keys.TASK_INDEX)) is not int or type(record.get(keys.ROLLOUT_INDEX)) is not int:
+            with pytest.raises(InputError):
+                merge_shards(run_dir)
+            continue
+        result = merge_shards(run_dir)
+        assert (result.successes, result.corrupt_lines) == (1, 0), line
+        assert (run_dir / "rollouts.jsonl").read_bytes() == line + b"\n"

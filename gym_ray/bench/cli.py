@@ -6,19 +6,48 @@ import argparse
 import json
 from typing import Any
 
-SCENARIOS = ("dispatch", "record", "ray", "tracing")
+SCENARIOS = ("dispatch", "record", "ray", "tracing", "memory", "latency", "merge")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--sizes {text!r}: give comma-separated row counts >= 1, e.g. 100000,1000000"
+        )
+    return sizes
 
 
 def bench_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``gym-ray bench``."""
     parser.add_argument("scenario", choices=SCENARIOS, help="which benchmark to run")
-    parser.add_argument("-n", type=int, default=20000, help="rollouts (dispatch, record, tracing)")
+    parser.add_argument(
+        "-n",
+        type=int,
+        default=None,
+        help="rollouts (dispatch, record, tracing, latency: 20000; merge: 1000000)",
+    )
+    parser.add_argument("--shards", type=int, default=64, help="merge: shard files merged")
     parser.add_argument("--concurrency", type=int, default=256, help="requests in flight")
+    parser.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=(100_000, 1_000_000),
+        help="memory: comma-separated row counts, one fresh process each (default 100000,1000000)",
+    )
+    parser.add_argument(
+        "--latency-ms", type=float, default=500.0, help="latency: the server's delay per /run"
+    )
 
 
 def bench_main(args: argparse.Namespace) -> int:
     """Run the chosen scenario; prints its figures as JSON. Returns 0."""
     result: dict[str, Any]
+    if args.n is None and args.scenario != "merge":
+        args.n = 20000
     if args.scenario == "dispatch":
         from gym_ray.bench.dispatch import run_dispatch_bench
 
@@ -31,6 +60,18 @@ def bench_main(args: argparse.Namespace) -> int:
         from gym_ray.bench.ray_bench import main as ray_main
 
         return ray_main([])
+    elif args.scenario == "memory":
+        from gym_ray.bench.memory import run_memory_bench
+
+        result = run_memory_bench(args.sizes, args.concurrency)
+    elif args.scenario == "merge":
+        from gym_ray.bench.merge_bench import run_merge_bench
+
+        result = run_merge_bench(args.n if args.n is not None else 1_000_000, args.shards)
+    elif args.scenario == "latency":
+        from gym_ray.bench.latency import run_latency_bench
+
+        result = run_latency_bench(args.latency_ms, args.concurrency, args.n)
     else:
         from gym_ray.bench.tracing_bench import run_tracing_bench  # type: ignore[import-not-found,unused-ignore]
 

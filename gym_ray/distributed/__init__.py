@@ -9,10 +9,12 @@ from __future__ import annotations
 from gym_ray.distributed.api import RunActors, acollect, collect, plan_from_config, run_actors
 from gym_ray.distributed.coordinator import RunCoordinator, RunStatus, ShardTiming
 from gym_ray.distributed.driver import DriverStatus, ShardDriver, ShardFailure
-from gym_ray.distributed.worker import RolloutWorker, WorkerTotals
+from gym_ray.distributed.live import ProgressSnapshot
+from gym_ray.distributed.worker import RolloutWorker, WorkerProgress, WorkerTotals
 
 __all__ = [
     "DriverStatus",
+    "ProgressSnapshot",
     "RolloutWorker",
     "RunActors",
     "RunCoordinator",
@@ -20,6 +22,7 @@ __all__ = [
     "ShardDriver",
     "ShardFailure",
     "ShardTiming",
+    "WorkerProgress",
     "WorkerTotals",
     "acollect",
     "collect",

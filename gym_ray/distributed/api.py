@@ -26,6 +26,7 @@ import asyncio
 import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -35,6 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 from gym_ray.distributed.coordinator import FinalizeFn, RunCoordinator
 from gym_ray.distributed.driver import Planner, ShardDriver, driver_max_concurrency
+from gym_ray.distributed.live import (
+    DEFAULT_PROGRESS_INTERVAL_S,
+    ProgressHook,
+    ProgressSnapshot,
+    poll_progress,
+    progress_snapshot,
+)
 from gym_ray.distributed.worker import (
     DEFAULT_SHARDS_IN_FLIGHT,
     RolloutWorker,
@@ -43,6 +51,8 @@ from gym_ray.distributed.worker import (
     worker_max_concurrency,
 )
 from gym_ray.errors import ConfigError, InternalError, NoProgressError, UsageError
+from gym_ray.progress import ProgressDisplay
+from gym_ray.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing_from_config
 
 if TYPE_CHECKING:
     from gym_ray.collect import RunResult, ShardSpec
@@ -72,26 +82,27 @@ class RunActors:
 
 
 def plan_from_config(config: Mapping[str, Any], rows: Any = None) -> Iterator[ShardSpec]:
-    """Default planner (runs in the driver actor): validate the input rows, plan the run folder.
+    """Default planner (runs in the driver actor): validate the input rows, then plan the run lazily.
 
-    Uses :func:`gym_ray.collect.prepare_run` (a validation pass, then a planning pass, both streaming), so
-    bad input raises before anything is written; on resume the existing shards are verified and reused.
+    Uses :func:`gym_ray.plan.iter_prepare_run`: a whole validation pass first (bad input raises before
+    anything is written), then each shard is cut, committed and yielded as the driver asks for it, so
+    shard 0 is handed out while the rest of the input is still being cut. On resume the existing shards
+    are verified by digest and reused.
 
     Args:
         config: The plain global config, with the topology already resolved (``Topology.raw``).
         rows: ``None`` to read ``input_jsonl_fpath``, or an ``ObjectRef`` of a list of rows.
 
     Returns:
-        The planned shards, in input order.
+        The planned shards, in input order (a generator: planning happens as it is consumed).
     """
-    from gym_ray.collect import prepare_run
+    from gym_ray.plan import iter_prepare_run
     from gym_ray.topology import Topology
 
     cfg = dict(config)
     # This runs in a thread of the async driver actor: wait on the ref's future (ray.get would warn).
     source: list[dict[str, Any]] | None = rows.future().result() if rows is not None else None
-    plan = prepare_run(cfg, Topology.from_config(cfg), rows=source)
-    return iter(plan.shards)
+    return iter_prepare_run(cfg, Topology.from_config(cfg), rows=source)
 
 
 async def run_actors(
@@ -108,6 +119,9 @@ async def run_actors(
     max_worker_restarts: int | None = None,
     cancel_grace_s: float = DEFAULT_CANCEL_GRACE_S,
     on_started: Callable[[RunActors], None] | None = None,
+    traceparent: str | None = None,
+    on_progress: ProgressHook | None = None,
+    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
 ) -> RunResult:
     """Run a planned collection on the Ray this process is connected to (Ray must be initialized).
 
@@ -127,6 +141,12 @@ async def run_actors(
         max_worker_restarts: Replacement workers allowed in total (default ``2 x num_workers``).
         cancel_grace_s: On cancellation, seconds workers get to close their writers before being killed.
         on_started: Called once the actors exist, with the live :class:`RunActors` (it stays current).
+        traceparent: W3C ``traceparent`` of the caller's job span, given to every worker so rollout spans
+            link to it (see :func:`gym_ray.tracing.current_traceparent`).
+        on_progress: Called every ``progress_interval_s`` with a
+            :class:`~gym_ray.distributed.live.ProgressSnapshot` (absolute counts; see that module), and
+            once more, exact, after every worker returned (before finalization).
+        progress_interval_s: Seconds between two progress polls.
 
     Returns:
         The run result from ``finalize_run``.
@@ -182,6 +202,7 @@ async def run_actors(
             settings,
             shard_fn=shard_fn,
             shards_in_flight=shards_in_flight,
+            traceparent=traceparent,
         )
         actors.workers[worker_id] = handle
         return handle
@@ -189,6 +210,11 @@ async def run_actors(
     def launch(worker_id: str) -> None:
         refs[worker_id] = actors.workers[worker_id].run.remote()
         runs[asyncio.ensure_future(refs[worker_id])] = worker_id
+
+    poller: asyncio.Future[None] | None = None
+
+    def live_workers() -> list[Any]:
+        return [handle for worker_id, handle in actors.workers.items() if worker_id not in actors.lost]
 
     finished = False
     try:
@@ -202,6 +228,10 @@ async def run_actors(
         next_index = num_workers
         if on_started is not None:
             on_started(actors)
+        if on_progress is not None:
+            poller = asyncio.ensure_future(
+                poll_progress(coordinator, live_workers, on_progress, interval_s=progress_interval_s)
+            )
         while runs:
             done, _ = await asyncio.wait(runs, return_when=asyncio.FIRST_COMPLETED)
             for run in done:
@@ -225,6 +255,9 @@ async def run_actors(
                         logger.warning("collect: starting replacement worker %s", replacement)
                         create_worker(replacement)
                         launch(replacement)
+        await _stop_poller(poller)
+        if on_progress is not None:
+            on_progress(await progress_snapshot(coordinator, ()))  # every report is in: exact
         status = await driver.status.remote()
         if status.plan_error is not None:
             raise status.plan_error
@@ -246,7 +279,18 @@ async def run_actors(
         finished = True
         return result
     finally:
+        await _stop_poller(poller)
         await _teardown(actors, runs, refs, graceful=finished, grace_s=cancel_grace_s)
+
+
+async def _stop_poller(poller: asyncio.Future[None] | None) -> None:
+    """Cancel and join the progress poller (a cancellation of the caller still propagates)."""
+    if poller is None or poller.done():
+        return
+    poller.cancel()
+    (outcome,) = await asyncio.gather(poller, return_exceptions=True)
+    if isinstance(outcome, Exception):
+        logger.warning("collect: progress poller failed: %s: %s", type(outcome).__name__, outcome)
 
 
 async def _teardown(
@@ -306,6 +350,7 @@ async def acollect(
     num_workers: int | None = None,
     overrides: Sequence[str] = (),
     rows: Iterable[Mapping[str, Any]] | None = None,
+    progress: bool | None = None,
     **settings: Any,
 ) -> RunResult:
     """Collect a whole config on Ray; usable from a running event loop (a notebook cell).
@@ -323,10 +368,16 @@ async def acollect(
         overrides: ``key=value`` overrides applied to a config file.
         rows: Input rows, instead of the config's ``input_jsonl_fpath`` (shipped to the driver via the
             object store).
+        progress: Show a live progress line on stderr (done/total, rate, failures, ETA, mean reward by
+            environment server), refreshed every second from the workers' counters; default: when
+            stderr is a TTY.
         **settings: Run settings set on top of the config (``output_dir=...``, ``shard_size=...``).
 
     Returns:
         The run result (paths, counts, metrics, summary).
+
+    Tracing: with ``tracing.enabled`` the run executes inside the ``gym_ray.job`` span (this process)
+    and every worker links its rollouts' root spans to it (:mod:`gym_ray.tracing`).
 
     Raises:
         ConfigError: Bad config or settings (before Ray starts).
@@ -353,13 +404,52 @@ async def acollect(
     # Config errors surface here, before Ray starts; a head-only config is completed from the head.
     resolved = (await resolve_topology(cfg)).raw
     run_dir = str(Path(run_settings.output_dir))
-    async with _ray_connection(address) as ray:
-        workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
-        rows_ref = ray.put([dict(row) for row in rows]) if rows is not None else None
-        planner = functools.partial(plan_from_config, resolved, rows_ref)
-        return await run_actors(
-            resolved, run_settings, planner, run_dir=run_dir, num_workers=workers, started_at=started
-        )
+    tracer = setup_tracing_from_config(resolved)
+    show = sys.stderr.isatty() if progress is None else progress
+    view = _ProgressView() if show else None
+    try:
+        async with _ray_connection(address) as ray:
+            workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
+            rows_ref = ray.put([dict(row) for row in rows]) if rows is not None else None
+            planner = functools.partial(plan_from_config, resolved, rows_ref)
+            with job_span(tracer, run_dir=run_dir) as span:
+                result = await run_actors(
+                    resolved,
+                    run_settings,
+                    planner,
+                    run_dir=run_dir,
+                    num_workers=workers,
+                    started_at=started,
+                    traceparent=current_traceparent() if span is not None else None,
+                    on_progress=view,
+                )
+                if span is not None:
+                    span.set_attribute(ATTR_RUN_ID, result.run_id)
+                return result
+    finally:
+        if view is not None:
+            view.close()
+
+
+class _ProgressView:
+    """Adapter from progress snapshots to a :class:`gym_ray.progress.ProgressDisplay` on stderr.
+
+    The display is built at the first snapshot that knows the run's total (once the input is validated).
+    """
+
+    def __init__(self) -> None:
+        self._display: ProgressDisplay | None = None
+
+    def __call__(self, snapshot: ProgressSnapshot) -> None:
+        if snapshot.total is None:
+            return
+        if self._display is None:
+            self._display = ProgressDisplay(snapshot.total, stream=sys.stderr, enabled=True)
+        self._display.update(done=snapshot.done, failed=snapshot.failed, by_server=snapshot.by_server)
+
+    def close(self) -> None:
+        if self._display is not None:
+            self._display.close()
 
 
 def collect(
@@ -369,6 +459,7 @@ def collect(
     num_workers: int | None = None,
     overrides: Sequence[str] = (),
     rows: Iterable[Mapping[str, Any]] | None = None,
+    progress: bool | None = None,
     **settings: Any,
 ) -> RunResult:
     """Collect a whole config on Ray (blocking). Same arguments as :func:`acollect`.
@@ -391,7 +482,15 @@ def collect(
             "use `await acollect(...)` there"
         )
     return asyncio.run(
-        acollect(config, address=address, num_workers=num_workers, overrides=overrides, rows=rows, **settings)
+        acollect(
+            config,
+            address=address,
+            num_workers=num_workers,
+            overrides=overrides,
+            rows=rows,
+            progress=progress,
+            **settings,
+        )
     )
 
 

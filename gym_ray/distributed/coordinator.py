@@ -1,6 +1,7 @@
 """The coordinator actor: learns of each finished shard, keeps the run's status, finalizes the run.
 
-Workers send one :class:`~gym_ray.collect.ShardReport` per shard they ran; the driver sends each planned
+Workers send one :class:`~gym_ray.collect.ShardReport` per shard they ran (with that call's successes by
+environment server and reward sums, for the live progress view); the driver sends each planned
 :class:`~gym_ray.collect.ShardSpec` as it is planned and ``None`` when planning ends. At the end,
 :meth:`RunCoordinator.finalize` rebuilds the :class:`~gym_ray.collect.RunPlan` from those specs and runs
 :func:`gym_ray.collect.finalize_run` (k-way merge of the shard files, completion check,
@@ -23,7 +24,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -84,6 +85,8 @@ class RunStatus:
     elapsed_s: float
     rollouts_per_s: float
     workers_reporting: tuple[str, ...]
+    by_server: dict[str, tuple[int, float]] = field(default_factory=dict)
+    rows_total: int | None = None
 
 
 def _default_finalize() -> FinalizeFn:
@@ -131,15 +134,29 @@ class RunCoordinator:
         self._reports: list[ShardReport] = []
         self._specs: list[ShardSpec] = []
         self._rows_planned = 0
+        self._rows_total: int | None = None
         self._plan_done = False
+        self._by_server: dict[str, list[float]] = {}
 
     def pid(self) -> int:
         """This actor's process id (benchmarks sample its memory)."""
         return os.getpid()
 
-    async def record_report(self, report: ShardReport) -> None:
-        """Count one shard's report (idempotent per shard for ``shards_done``; counts add up, see module)."""
+    async def record_report(
+        self, report: ShardReport, by_server: Mapping[str, tuple[int, float]] | None = None
+    ) -> None:
+        """Count one shard's report (idempotent per shard for ``shards_done``; counts add up, see module).
+
+        Args:
+            report: What the shard's ``run_shard`` call did.
+            by_server: That call's successes as ``{environment server: (count, reward sum)}`` (live
+                progress; see :class:`~gym_ray.distributed.worker.OutcomeTally`).
+        """
         self._shards_done.add(report.shard)
+        for server, (count, reward) in (by_server or {}).items():
+            entry = self._by_server.setdefault(server, [0, 0.0])
+            entry[0] += count
+            entry[1] += reward
         self._reports.append(report)
         self._succeeded += report.succeeded
         self._failed += report.failed
@@ -165,6 +182,8 @@ class RunCoordinator:
             return
         self._specs.append(spec)
         self._rows_planned += spec.num_rows
+        if spec.run_rows is not None:
+            self._rows_total = spec.run_rows
 
     async def status(self) -> RunStatus:
         """The run's status now."""
@@ -183,6 +202,8 @@ class RunCoordinator:
             elapsed_s=elapsed,
             rollouts_per_s=finished / elapsed if elapsed > 0 else 0.0,
             workers_reporting=tuple(sorted(self._workers)),
+            by_server={k: (int(n), float(r)) for k, (n, r) in self._by_server.items()},
+            rows_total=self._rows_total if not self._plan_done else self._rows_planned,
         )
 
     async def timings(self) -> list[ShardTiming]:

@@ -10,7 +10,9 @@ Concurrency promises:
 - Planning runs in a background task owned by the actor (each step in a thread, since it writes files) and
   stays at most ``lookahead`` shards ahead of the hand-out: memory holds a bounded queue of small
   :class:`~gym_ray.collect.ShardSpec`, never rows. A planner that streams (cuts and writes one shard at a
-  time) is consumed lazily; a planner that plans everything first only delays the first hand-out.
+  time, like :func:`gym_ray.plan.iter_prepare_run`) is consumed lazily, so the first shard is handed out
+  once the input is validated and that shard is cut; a planner that plans everything first only delays
+  the first hand-out. A planner generator left unfinished (close, error) is closed by the planner task.
 - ``next_shard`` waits while shards are in flight elsewhere and nothing is queued: it answers ``None``
   only when every shard is complete (or the run is aborted), so a worker that is idle near the end is still
   there to take over a dead worker's shards.
@@ -152,8 +154,9 @@ class ShardDriver:
 
     async def _plan_loop(self) -> None:
         cond = self._cond()
+        specs: Iterator[ShardSpec] | None = None
         try:
-            specs: Iterator[ShardSpec] = await asyncio.to_thread(lambda: iter(self._planner()))
+            specs = await asyncio.to_thread(lambda: iter(self._planner()))
             while True:
                 async with cond:
                     await cond.wait_for(lambda: self._closing or len(self._planned) < self._lookahead)
@@ -186,6 +189,13 @@ class ShardDriver:
                 self._plan_error = InternalError(f"planning failed: {type(exc).__name__}: {exc}")
                 cond.notify_all()
             raise
+        finally:
+            # A lazy planner stopped early (close) releases its staging folder now, not at GC. Not when
+            # cancelled: a planning step may still run in its thread (the generator is executing).
+            close = getattr(specs, "close", None)
+            task = asyncio.current_task()
+            if callable(close) and (task is None or not task.cancelling()):
+                await asyncio.to_thread(close)
 
     # -- hand-out --------------------------------------------------------------------------------
 

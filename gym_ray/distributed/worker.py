@@ -1,21 +1,34 @@
-"""The worker actor: pulls shards from the driver and runs them through ``run_shard``.
+"""The worker actor: pulls shards from the driver and runs them through ``run_shards``.
 
 One :class:`RolloutWorker` is one long-lived async Ray actor (one process) with one HTTP client pool. Its
-``run()`` keeps ``shards_in_flight`` lanes (default 2); each lane asks the driver for a shard, runs it with
-:func:`gym_ray.collect.run_shard`, reports the :class:`~gym_ray.collect.ShardReport` to the coordinator and
-the completion to the driver, and asks again. All lanes share one ``asyncio.Semaphore(max_resident_tasks)``,
-so while one shard drains its tail the next shard already fills the freed slots: the concurrency window
-stays full across shard boundaries and never exceeds ``max_resident_tasks`` rollouts in flight.
+``run()`` is :func:`gym_ray.collect.run_shards` with ``shards_in_flight`` lanes (default 2): each lane asks
+the driver for a shard, runs it with :func:`gym_ray.collect.run_shard`, reports the
+:class:`~gym_ray.collect.ShardReport` to the coordinator and the completion to the driver, and asks again.
+All lanes share one ``asyncio.Semaphore(max_resident_tasks)``, so while one shard drains its tail the next
+shard already fills the freed slots: the concurrency window stays full across shard boundaries and never
+exceeds ``max_resident_tasks`` rollouts in flight.
 
 Concurrency and failure promises:
 
 - Every outcome is classified inside ``run_shard``; only typed picklable records cross actors
-  (:class:`~gym_ray.collect.ShardReport`, :class:`~gym_ray.distributed.driver.ShardFailure`).
-- A shard that raises is reported to the driver as a :class:`ShardFailure` and the lane moves on (a
+  (:class:`~gym_ray.collect.ShardReport`, :class:`~gym_ray.distributed.driver.ShardFailure`,
+  :class:`WorkerProgress`).
+- A shard that raises is reported to the driver as a :class:`ShardFailure` and the lane moves on (the
+  ``on_error`` hook of ``run_shards``: the other lanes are not disturbed). A
   :class:`~gym_ray.errors.ShardLockError` usually means a newer worker owns the shard: the driver ignores
-  it). The shard folder stays resumable.
-- Lanes are owned by a ``TaskGroup`` inside ``run()``; cancelling ``run()`` (``ray.cancel``) cancels them,
-  which closes every shard writer and the client pool.
+  it. The shard folder stays resumable.
+- Lanes are owned by a ``TaskGroup`` inside ``run_shards``; cancelling ``run()`` (``ray.cancel``) cancels
+  them, which closes every shard writer and the client pool.
+
+Tracing: ``run()`` sets up this process's tracer from the run config and runs every shard inside
+:func:`~gym_ray.tracing.attach_traceparent` of the driver's job span, so each rollout's root span links to
+the job span (no effect when tracing is off or no ``traceparent`` was given).
+
+Live progress: :meth:`RolloutWorker.progress` answers the outcomes written so far by the shards this worker
+is *running* (counts by environment server with reward sums, failures), counted per outcome by
+``run_shard``'s ``on_outcome`` hook (a few integer additions). When a shard finishes its tally moves to the
+coordinator with the shard's report, so "coordinator + live workers" counts every outcome of the run once
+(see :mod:`gym_ray.distributed.api`).
 
 Ray resources: start it with ``num_cpus=0`` (it waits on the network; four workers must fit on a 2-CPU
 local Ray) and an explicit ``max_concurrency`` (:func:`worker_max_concurrency`), logged at start.
@@ -29,9 +42,10 @@ import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gym_ray import keys
 from gym_ray.distributed.driver import ShardFailure
 from gym_ray.errors import GymRayError, InternalError
 
@@ -45,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 #: Shards one worker runs at once (sharing one admission semaphore).
 DEFAULT_SHARDS_IN_FLIGHT = 2
+#: ``by_server`` key of successes whose record names no environment server.
+UNKNOWN_SERVER = "?"
 
 
 class ShardFn(Protocol):
@@ -83,6 +99,60 @@ class WorkerTotals:
     wall_s: float
 
 
+@dataclass
+class OutcomeTally:
+    """Outcomes on disk, counted one by one: successes ``(count, reward sum)`` by environment server.
+
+    ``failed`` counts failure records (one per attempt, as :class:`~gym_ray.collect.ShardReport` does);
+    records that are not persisted (drained rollouts) are not counted.
+    """
+
+    failed: int = 0
+    by_server: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def succeeded(self) -> int:
+        """Successes over every environment server."""
+        return sum(int(count) for count, _ in self.by_server.values())
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        """Count one record as written by ``run_shard``."""
+        if record.get(keys.NO_PERSIST):
+            return
+        if keys.FAILURE_CLASS in record:
+            self.failed += 1
+            return
+        server = record.get(keys.ENVIRONMENT_SERVER)
+        entry = self.by_server.setdefault(server if isinstance(server, str) else UNKNOWN_SERVER, [0, 0.0])
+        entry[0] += 1
+        reward = record.get(keys.REWARD)
+        if isinstance(reward, int | float) and not isinstance(reward, bool):
+            entry[1] += float(reward)
+
+    def add_tally(self, other: OutcomeTally) -> None:
+        """Add ``other``'s counts to this tally."""
+        self.failed += other.failed
+        for server, (count, reward) in other.by_server.items():
+            entry = self.by_server.setdefault(server, [0, 0.0])
+            entry[0] += count
+            entry[1] += reward
+
+    def servers(self) -> dict[str, tuple[int, float]]:
+        """``{environment server: (successes, reward sum)}`` (a plain, picklable copy)."""
+        return {server: (int(count), float(reward)) for server, (count, reward) in self.by_server.items()}
+
+
+@dataclass(frozen=True)
+class WorkerProgress:
+    """What a worker's running shards wrote so far (not yet reported to the coordinator)."""
+
+    worker: str
+    running: tuple[str, ...]
+    succeeded: int
+    failed: int
+    by_server: dict[str, tuple[int, float]]
+
+
 def _default_shard_fn() -> ShardFn:
     from gym_ray.collect import run_shard
 
@@ -104,12 +174,13 @@ class RolloutWorker:
         worker_id: This worker's name (unique in the run; a replacement gets a new name).
         driver: Handle of the :class:`~gym_ray.distributed.driver.ShardDriver` actor.
         coordinator: Handle of the :class:`~gym_ray.distributed.coordinator.RunCoordinator` actor.
-        config: The plain global config (the topology is built from it inside the actor).
+        config: The plain global config (the topology and the tracer are built from it inside the actor).
         settings: The run's settings (``max_resident_tasks``, ``max_connections``, timeouts, ...).
         shard_fn: Runs one shard; :func:`gym_ray.collect.run_shard` by default.
         shards_in_flight: Shards run at once, sharing one admission semaphore.
         client_factory: Builds the client pool from (topology, settings); a :class:`ServerClient` by default.
         clock: Monotonic clock, injected for tests.
+        traceparent: The W3C ``traceparent`` of the driver's job span; rollout spans link to it.
     """
 
     def __init__(
@@ -124,6 +195,7 @@ class RolloutWorker:
         shards_in_flight: int = DEFAULT_SHARDS_IN_FLIGHT,
         client_factory: Callable[[Topology, RunSettings], ServerClient] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        traceparent: str | None = None,
     ) -> None:
         if shards_in_flight < 1:
             raise InternalError(f"shards_in_flight must be >= 1, got {shards_in_flight}")
@@ -136,11 +208,12 @@ class RolloutWorker:
         self._lanes = shards_in_flight
         self._client_factory = client_factory or _default_client
         self._clock = clock
+        self._traceparent = traceparent
         self._shards: list[str] = []
         self._dispatched = self._succeeded = self._failed = 0
         self._failed_by_class: Counter[str] = Counter()
         self._failures: list[ShardFailure] = []
-        self._running: set[str] = set()
+        self._live: dict[str, OutcomeTally] = {}
 
     def pid(self) -> int:
         """The worker's process id (chaos tests kill it)."""
@@ -148,7 +221,20 @@ class RolloutWorker:
 
     def running(self) -> tuple[str, ...]:
         """The shards this worker is running now."""
-        return tuple(sorted(self._running))
+        return tuple(sorted(self._live))
+
+    def progress(self) -> WorkerProgress:
+        """Outcomes written so far by the shards this worker is running (cheap; poll it every second)."""
+        total = OutcomeTally()
+        for tally in self._live.values():
+            total.add_tally(tally)
+        return WorkerProgress(
+            worker=self._worker_id,
+            running=tuple(sorted(self._live)),
+            succeeded=total.succeeded,
+            failed=total.failed,
+            by_server=total.servers(),
+        )
 
     async def run(self) -> WorkerTotals:
         """Pull and run shards until the driver has none left; return this worker's totals.
@@ -156,14 +242,16 @@ class RolloutWorker:
         Raises:
             CancelledError: ``ray.cancel`` of this call; every shard writer and the client are closed.
         """
+        from gym_ray.collect import run_shards
         from gym_ray.topology import Topology
+        from gym_ray.tracing import attach_traceparent, setup_tracing_from_config
 
         started = self._clock()
         topology = Topology.from_config(self._config)
-        semaphore = asyncio.Semaphore(self._settings.max_resident_tasks)
+        tracer = setup_tracing_from_config(self._config)
         logger.info(
             "worker %s (pid %d): max_resident_tasks=%d shared by %d shard lanes, max_connections=%d, "
-            "actor max_concurrency=%d, request_timeout_s=%s, connect_timeout_s=%s",
+            "actor max_concurrency=%d, request_timeout_s=%s, connect_timeout_s=%s, tracing=%s",
             self._worker_id,
             os.getpid(),
             self._settings.max_resident_tasks,
@@ -172,11 +260,22 @@ class RolloutWorker:
             worker_max_concurrency(self._settings),
             self._settings.request_timeout_s,
             self._settings.connect_timeout_s,
+            "off" if tracer is None else tracer.settings.exporter,
         )
+        traceparent = self._traceparent if tracer is not None else None
         async with self._client_factory(topology, self._settings) as client:
-            async with asyncio.TaskGroup() as lanes:
-                for _ in range(self._lanes):
-                    lanes.create_task(self._lane(client, topology, semaphore))
+            with attach_traceparent(traceparent):
+                await run_shards(
+                    self._next_spec,
+                    client=client,
+                    topology=topology,
+                    settings=self._settings,
+                    parallel_shards=self._lanes,
+                    on_report=self._on_report,
+                    worker=self._worker_id,
+                    shard_fn=self._run_counted,
+                    on_error=self._on_error,
+                )
         return WorkerTotals(
             worker=self._worker_id,
             pid=os.getpid(),
@@ -189,46 +288,65 @@ class RolloutWorker:
             wall_s=self._clock() - started,
         )
 
-    async def _lane(self, client: ServerClient, topology: Topology, semaphore: asyncio.Semaphore) -> None:
-        while True:
-            spec: ShardSpec | None = await self._driver.next_shard.remote(self._worker_id)
-            if spec is None:
-                return
-            self._running.add(spec.shard)
-            try:
-                report = await self._shard_fn(
-                    spec,
-                    client=client,
-                    topology=topology,
-                    settings=self._settings,
-                    semaphore=semaphore,
-                    worker=self._worker_id,
-                )
-            except GymRayError as exc:
-                await self._report_failure(spec, exc, exc)
-                continue
-            except Exception as exc:
-                logger.exception(
-                    "worker %s: shard %s raised an unexpected error", self._worker_id, spec.shard
-                )
-                wrapped = InternalError(f"shard {spec.shard} raised {type(exc).__name__}: {exc}")
-                await self._report_failure(spec, exc, wrapped)
-                continue
-            finally:
-                self._running.discard(spec.shard)
-            if report.worker != self._worker_id:
-                report = report.model_copy(update={"worker": self._worker_id})
-            self._shards.append(spec.shard)
-            self._dispatched += report.dispatched
-            self._succeeded += report.succeeded
-            self._failed += report.failed
-            self._failed_by_class.update(report.failed_by_class)
-            # Coordinator first: once the driver hears "finished" the run may end, and the report must
-            # already be counted. Counts stay exact on a re-run: a report counts only what its call wrote.
-            await self._coordinator.record_report.remote(report)
-            await self._driver.shard_finished.remote(self._worker_id, spec.shard)
+    async def _next_spec(self) -> ShardSpec | None:
+        spec: ShardSpec | None = await self._driver.next_shard.remote(self._worker_id)
+        return spec
 
-    async def _report_failure(self, spec: ShardSpec, exc: Exception, error: GymRayError) -> None:
+    async def _run_counted(
+        self,
+        spec: ShardSpec,
+        *,
+        client: ServerClient,
+        topology: Topology,
+        settings: RunSettings,
+        semaphore: asyncio.Semaphore | None = None,
+        on_outcome: OutcomeHook | None = None,
+        worker: str | None = None,
+    ) -> ShardReport:
+        """The shard function with a per-shard outcome tally (kept until the shard is reported)."""
+        tally = self._live[spec.shard] = OutcomeTally()
+
+        def count(row: dict[str, Any], record: dict[str, Any]) -> None:
+            tally.add(record)
+            if on_outcome is not None:
+                on_outcome(row, record)
+
+        return await self._shard_fn(
+            spec,
+            client=client,
+            topology=topology,
+            settings=settings,
+            semaphore=semaphore,
+            on_outcome=count,
+            worker=worker,
+        )
+
+    async def _on_report(self, report: ShardReport) -> None:
+        if report.worker != self._worker_id:
+            report = report.model_copy(update={"worker": self._worker_id})
+        tally = self._live.pop(report.shard, None) or OutcomeTally()
+        self._shards.append(report.shard)
+        self._dispatched += report.dispatched
+        self._succeeded += report.succeeded
+        self._failed += report.failed
+        self._failed_by_class.update(report.failed_by_class)
+        # Coordinator first: once the driver hears "finished" the run may end, and the report must
+        # already be counted. Counts stay exact on a re-run: a report counts only what its call wrote.
+        await self._coordinator.record_report.remote(report, by_server=tally.servers())
+        await self._driver.shard_finished.remote(self._worker_id, report.shard)
+
+    async def _on_error(self, spec: ShardSpec, exc: Exception) -> None:
+        self._live.pop(spec.shard, None)
+        if isinstance(exc, GymRayError):
+            error: GymRayError = exc
+        else:
+            logger.error(
+                "worker %s: shard %s raised an unexpected error",
+                self._worker_id,
+                spec.shard,
+                exc_info=exc,
+            )
+            error = InternalError(f"shard {spec.shard} raised {type(exc).__name__}: {exc}")
         failure = ShardFailure(
             shard=spec.shard,
             worker=self._worker_id,

@@ -1,0 +1,183 @@
+"""Benchmark: merging a run's shards (``gym_ray.merge.merge_shards``) -- throughput and peak memory.
+
+``gym-ray bench merge``: writes ``shards`` shard success files holding ``rows`` realistic records
+(~300 bytes each: a short prompt, a response summary, reward and the identity keys collection writes),
+each shard a contiguous block of tasks (4 rollouts per task) in *shuffled* order, as concurrent rollouts
+finish. Then a fresh child process (``python -m gym_ray.bench.merge_bench --child DIR``) merges them and
+reports its own peak resident set size, so generating the input does not pollute the figure. On Linux the
+peak is the child's ``VmHWM`` (``/proc/self/status``): ``ru_maxrss`` is not used there because Linux
+carries it across ``fork`` + ``exec``, so a child's ``RUSAGE_SELF`` / the parent's ``RUSAGE_CHILDREN``
+would report at least the parent's size at fork time (the generator's). Elsewhere ``ru_maxrss`` is used.
+
+Targets (issue 5): >= 200k lines/s; peak RSS < 200 MB (memory bounded by one shard, not the run).
+
+Run: ``python -m gym_ray.bench.merge_bench [rows [shards]]`` or ``gym-ray bench merge -n 1000000``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gym_ray import keys
+
+#: ru_maxrss is in KiB on Linux.
+_KIB_PER_MB = 1024.0
+ROLLOUTS_PER_TASK = 4
+_CHILD_TIMEOUT_S = 1800.0
+
+
+def _record(task: int, rollout: int) -> dict[str, Any]:
+    correct = (task * 7 + rollout) % 5 != 0
+    return {
+        keys.RESPONSES_CREATE_PARAMS: {"input": [{"role": "user", "content": f"What is {task % 997} + 3?"}]},
+        keys.RESPONSE: {
+            "id": f"r{task:07d}{rollout:02d}",
+            keys.USAGE: {"input_tokens": 18, "output_tokens": 9},
+        },
+        keys.REWARD: 1.0 if correct else 0.0,
+        "expected_answer": str(task % 997 + 3),
+        keys.TASK_INDEX: task,
+        keys.ROLLOUT_INDEX: rollout,
+        keys.AGENT_REF: {"name": "bench_agent"},
+        keys.ENVIRONMENT_SERVER: "bench_env",
+    }
+
+
+def write_shards(run_dir: Path, rows: int, shards: int, *, seed: int = 0) -> dict[str, int]:
+    """Write ``shards`` shard success files of ``rows`` records in total (shuffled within each shard).
+
+    Tasks are cut into contiguous blocks (a task's rollouts stay in one shard, as planning cuts them).
+
+    Returns:
+        ``{"rows", "shards", "bytes"}`` as written.
+    """
+    rng = random.Random(seed)
+    tasks = -(-rows // ROLLOUTS_PER_TASK)
+    per_shard = -(-tasks // shards)
+    written = total_bytes = 0
+    for index in range(shards):
+        first, last = index * per_shard, min(tasks, (index + 1) * per_shard)
+        identities = [
+            (task, rollout)
+            for task in range(first, last)
+            for rollout in range(ROLLOUTS_PER_TASK)
+            if task * ROLLOUTS_PER_TASK + rollout < rows
+        ]
+        rng.shuffle(identities)
+        data = "".join(
+            json.dumps(_record(task, rollout), separators=(",", ":")) + "\n" for task, rollout in identities
+        ).encode()
+        (run_dir / f"rollouts-{index:05d}.jsonl").write_bytes(data)
+        written += len(identities)
+        total_bytes += len(data)
+    return {"rows": written, "shards": shards, "bytes": total_bytes}
+
+
+def _peak_rss_mb() -> float:
+    """This process's own peak RSS in MB (``VmHWM``, which starts afresh at ``exec``; else ru_maxrss)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / _KIB_PER_MB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / _KIB_PER_MB
+
+
+def _child(run_dir: str) -> None:
+    """Merge ``run_dir`` and print the child's figures as one JSON line."""
+    from gym_ray.merge import merge_shards
+
+    baseline = _peak_rss_mb()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    merged = merge_shards(run_dir)
+    wall_s, cpu_s = time.perf_counter() - wall0, time.process_time() - cpu0
+    print(
+        json.dumps(
+            {
+                "successes": merged.successes,
+                "failures": merged.failures,
+                "duplicates_dropped": merged.duplicate_successes_dropped,
+                "corrupt_lines": merged.corrupt_lines,
+                "wall_s": wall_s,
+                "cpu_s": cpu_s,
+                "baseline_rss_mb": baseline,
+                "peak_rss_mb": _peak_rss_mb(),
+            }
+        )
+    )
+
+
+def run_merge_bench(rows: int = 1_000_000, shards: int = 64) -> dict[str, Any]:
+    """Generate ``shards`` shards of ``rows`` records, merge them in a child process, report the figures.
+
+    Returns:
+        ``{"rows", "shards", "input_mb", "avg_record_bytes", "generate_s", "merge_wall_s", "merge_cpu_s",
+        "lines_per_s", "baseline_rss_mb", "peak_rss_mb"}`` (``baseline_rss_mb``: the child's peak after
+        its imports, before merging); also printed.
+
+    Raises:
+        ValueError: ``rows`` < 1 or ``shards`` < 1.
+        RuntimeError: The child failed, or the merged file does not hold every row exactly once.
+    """
+    if rows < 1 or shards < 1:
+        raise ValueError(f"rows={rows!r}, shards={shards!r}: both must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="gym-ray-merge-bench-") as tmp:
+        run_dir = Path(tmp)
+        started = time.perf_counter()
+        written = write_shards(run_dir, rows, shards)
+        generate_s = time.perf_counter() - started
+        proc = subprocess.run(
+            [sys.executable, "-m", "gym_ray.bench.merge_bench", "--child", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=_CHILD_TIMEOUT_S,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"merge bench child exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
+        child: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    if child["successes"] != written["rows"] or child["duplicates_dropped"] or child["corrupt_lines"]:
+        raise RuntimeError(f"merge bench: wrote {written['rows']} rows, merge reported {child}")
+    result: dict[str, Any] = {
+        "rows": written["rows"],
+        "shards": shards,
+        "input_mb": written["bytes"] / 1e6,
+        "avg_record_bytes": written["bytes"] / written["rows"],
+        "generate_s": generate_s,
+        "merge_wall_s": child["wall_s"],
+        "merge_cpu_s": child["cpu_s"],
+        "lines_per_s": written["rows"] / child["wall_s"] if child["wall_s"] > 0 else 0.0,
+        "baseline_rss_mb": child["baseline_rss_mb"],
+        "peak_rss_mb": child["peak_rss_mb"],
+    }
+    print(
+        f"merge bench: rows={result['rows']} shards={shards} ({result['avg_record_bytes']:.0f} B/record) "
+        f"{result['lines_per_s']:,.0f} lines/s peak_rss={result['peak_rss_mb']:.1f} MB "
+        f"(baseline {result['baseline_rss_mb']:.1f} MB)",
+        flush=True,
+    )
+    return result
+
+
+def main(argv: list[str]) -> int:
+    """``python -m gym_ray.bench.merge_bench [rows [shards]]``; ``--child DIR`` is the measured process."""
+    if argv[:1] == ["--child"] and len(argv) == 2:
+        _child(argv[1])
+        return 0
+    numbers = [int(a) for a in argv[:2]]
+    print(json.dumps(run_merge_bench(*numbers), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,114 @@
+"""Live progress of a distributed run: absolute counts polled from the coordinator and the workers.
+
+Counting (each outcome once): the coordinator sums the reports of *finished* shards (``succeeded``,
+``failed``, ``already_done``, and successes with reward sums by environment server); each live worker's
+:meth:`~gym_ray.distributed.worker.RolloutWorker.progress` holds what its *running* shards wrote and has
+not reported yet (a shard's tally moves to the coordinator with its report). So
+``done = coordinator + live workers`` is absolute: it includes rows settled by an earlier run of the same
+folder (``already_done``, counted when their shard finishes; they carry no server breakdown).
+
+Accepted approximations (for a display, never for results): the coordinator and the workers are read one
+after the other, not atomically, and a shard's tally leaves the worker just before the coordinator counts
+it, so a poll may miss a shard that is changing hands (never count it twice). When a worker dies, what its
+running shards wrote disappears from the sum until a replacement finishes those shards: their report
+counts those rollouts as ``already_done`` (without the server breakdown). The final snapshot, taken after
+every worker returned, is exact for this run.
+
+Concurrency: :func:`poll_progress` is one loop owned by its caller (``run_actors`` cancels and joins it);
+each poll issues one ``status`` call to the coordinator and one ``progress`` call per live worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between two polls.
+DEFAULT_PROGRESS_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class ProgressSnapshot:
+    """The run's counts at one poll.
+
+    Attributes:
+        total: Rows of the run (known once the input is validated), else None.
+        done: Rollouts settled so far (successes, failure records, and rows done by an earlier run).
+        failed: Of those, failure records written by this run.
+        by_server: Environment server -> (successes of this run, their reward sum).
+    """
+
+    total: int | None
+    done: int
+    failed: int
+    by_server: dict[str, tuple[int, float]]
+
+
+ProgressHook = Callable[[ProgressSnapshot], None]
+
+
+async def progress_snapshot(coordinator: Any, workers: Iterable[Any]) -> ProgressSnapshot:
+    """One poll: the coordinator's finished-shard counts plus every reachable worker's running shards.
+
+    Args:
+        coordinator: Handle of the :class:`~gym_ray.distributed.coordinator.RunCoordinator`.
+        workers: Handles of the live :class:`~gym_ray.distributed.worker.RolloutWorker` actors; a worker
+            that does not answer (it died) is left out.
+    """
+    status = await coordinator.status.remote()
+    answers = await asyncio.gather(*(w.progress.remote() for w in workers), return_exceptions=True)
+    done = status.succeeded + status.failed + status.already_done
+    failed = status.failed
+    by_server = dict(status.by_server)
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            if not isinstance(answer, Exception):
+                raise answer
+            continue  # a dying worker: see the module docstring
+        done += answer.succeeded + answer.failed
+        failed += answer.failed
+        by_server = _merged(by_server, answer.by_server)
+    return ProgressSnapshot(total=status.rows_total, done=done, failed=failed, by_server=by_server)
+
+
+def _merged(
+    left: Mapping[str, tuple[int, float]], right: Mapping[str, tuple[int, float]]
+) -> dict[str, tuple[int, float]]:
+    out = dict(left)
+    for server, (count, reward) in right.items():
+        have_count, have_reward = out.get(server, (0, 0.0))
+        out[server] = (have_count + count, have_reward + reward)
+    return out
+
+
+async def poll_progress(
+    coordinator: Any,
+    workers: Callable[[], Iterable[Any]],
+    on_progress: ProgressHook,
+    *,
+    interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
+) -> None:
+    """Call ``on_progress`` with a fresh snapshot every ``interval_s`` until cancelled.
+
+    A poll that fails (an actor going away) is skipped and logged at debug level; cancellation
+    propagates.
+
+    Args:
+        coordinator: Handle of the coordinator actor.
+        workers: Returns the live worker handles at each poll (replacements appear, dead ones go).
+        on_progress: Receives each snapshot (runs in this event loop; keep it cheap).
+        interval_s: Seconds between polls.
+    """
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            snapshot = await progress_snapshot(coordinator, list(workers()))
+        except Exception as exc:
+            logger.debug("progress: poll skipped: %s: %s", type(exc).__name__, exc)
+            continue
+        on_progress(snapshot)

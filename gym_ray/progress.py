@@ -1,0 +1,191 @@
+"""A one-line progress display for a collection: done / total, rate, failures, ETA, per-server mean reward.
+
+:class:`ProgressDisplay` renders from absolute counts; :class:`ProgressCounter` turns the stream of
+``(row, record)`` pairs that recording produces (``run_shards``' ``on_outcome`` hook) into those counts.
+
+Output promises: the display writes at most one line per ``interval_s`` (an in-place ``\\r`` rewrite on a
+TTY, a full ``\\n``-terminated line otherwise) and exactly one final line on :meth:`ProgressDisplay.close`.
+A disabled display (the default when the stream is not a TTY) writes nothing; an update then only stores
+the counts. Both classes are meant for one thread / event loop; they do no locking.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
+
+from gym_ray import keys
+from gym_ray.errors import UsageError
+
+__all__ = ["ProgressCounter", "ProgressDisplay", "format_duration"]
+
+
+def format_duration(seconds: float) -> str:
+    """A short human duration: ``"12s"``, ``"3m05s"``, ``"2h07m"`` (rounded to the second, then cut)."""
+    total = max(0, round(seconds))
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m{total % 60:02d}s"
+    return f"{total // 3600}h{total % 3600 // 60:02d}m"
+
+
+def _is_tty(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    if isatty is None:
+        return False
+    try:
+        return bool(isatty())
+    except (OSError, ValueError):  # a closed or detached stream
+        return False
+
+
+class ProgressDisplay:
+    """Renders ``"1234/5000 (24.7%) 310.2/s failed 3 ETA 12s | arith_env 0.84 arith_env_hard 0.69"``.
+
+    The rate is rollouts done per second since the display was built; the ETA is the rollouts left at
+    that rate (``--`` before the first one is done); each environment server shows its mean reward over
+    its successes (``-`` with none), servers in name order.
+
+    Args:
+        total: Rollouts this display expects (>= 0).
+        stream: Where lines go.
+        interval_s: Minimum seconds between two rendered lines (>= 0).
+        clock: Monotonic clock (injectable for tests).
+        enabled: Write at all; None means "when ``stream`` is a TTY".
+
+    Raises:
+        UsageError: ``total`` or ``interval_s`` is negative.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        stream: TextIO = sys.stderr,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        enabled: bool | None = None,
+    ) -> None:
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise UsageError(f"ProgressDisplay total={total!r} must be an int >= 0 (the rollouts expected)")
+        if not interval_s >= 0:
+            raise UsageError(f"ProgressDisplay interval_s={interval_s!r} must be a number of seconds >= 0")
+        self.total = total
+        self._stream = stream
+        self._interval_s = interval_s
+        self._clock = clock
+        self._tty = _is_tty(stream)
+        self.enabled = self._tty if enabled is None else enabled
+        self._started = clock()
+        self._last_render: float | None = None
+        self._width = 0
+        self._closed = False
+        self.done = 0
+        self.failed = 0
+        self.by_server: dict[str, tuple[int, float]] = {}
+
+    def update(self, *, done: int, failed: int, by_server: Mapping[str, tuple[int, float]]) -> None:
+        """Take the counts as they stand and render if ``interval_s`` has passed since the last line.
+
+        Args:
+            done: Rollouts settled so far (successes and failures).
+            failed: Of those, the failures.
+            by_server: Environment server -> (successes, sum of their rewards).
+        """
+        self.done = done
+        self.failed = failed
+        self.by_server = dict(by_server)
+        if not self.enabled or self._closed:
+            return
+        now = self._clock()
+        if self._last_render is not None and now - self._last_render < self._interval_s:
+            return
+        self._last_render = now
+        self._write(self.render(), final=False)
+
+    def render(self) -> str:
+        """The progress line for the counts as they stand (no line ending)."""
+        elapsed = self._clock() - self._started
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        percent = 100.0 * self.done / self.total if self.total else 100.0
+        left = max(0, self.total - self.done)
+        if left == 0:
+            eta = "0s"
+        elif rate > 0:
+            eta = format_duration(left / rate)
+        else:
+            eta = "--"
+        line = f"{self.done}/{self.total} ({percent:.1f}%) {rate:.1f}/s failed {self.failed} ETA {eta}"
+        if self.by_server:
+            means = " ".join(
+                f"{name} {_mean(successes, reward_sum)}"
+                for name, (successes, reward_sum) in sorted(self.by_server.items())
+            )
+            line = f"{line} | {means}"
+        return line
+
+    def close(self) -> None:
+        """Write the final line (when enabled). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.enabled:
+            self._write(self.render(), final=True)
+
+    def __enter__(self) -> ProgressDisplay:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _write(self, line: str, *, final: bool) -> None:
+        if self._tty:
+            padded = line.ljust(self._width)
+            self._width = len(line)
+            self._stream.write("\r" + padded + ("\n" if final else ""))
+        else:
+            self._stream.write(line + "\n")
+        self._stream.flush()
+
+
+def _mean(successes: int, reward_sum: float) -> str:
+    if successes <= 0 or not math.isfinite(reward_sum):
+        return "-"
+    return f"{reward_sum / successes:.2f}"
+
+
+class ProgressCounter:
+    """Counts ``(row, record)`` outcomes and feeds a :class:`ProgressDisplay` (an ``on_outcome`` hook).
+
+    Every record counts as done. A record carrying ``_ng_failure_class`` (failures, and drained rows that
+    were not dispatched) counts as failed; any other is a success of its ``_ng_environment_server`` (the
+    record's, else the row's, else ``"?"``) and adds its numeric ``reward`` (none: 0) to that server's sum.
+
+    Args:
+        display: Updated after each outcome; None only counts.
+    """
+
+    def __init__(self, display: ProgressDisplay | None = None) -> None:
+        self.display = display
+        self.done = 0
+        self.failed = 0
+        self.by_server: dict[str, tuple[int, float]] = {}
+
+    def __call__(self, row: Mapping[str, Any], record: Mapping[str, Any]) -> None:
+        """Count one outcome (see the class docstring) and update the display."""
+        self.done += 1
+        if keys.FAILURE_CLASS in record:
+            self.failed += 1
+        else:
+            server = record.get(keys.ENVIRONMENT_SERVER, row.get(keys.ENVIRONMENT_SERVER))
+            name = server if isinstance(server, str) else "?"
+            reward = record.get(keys.REWARD)
+            value = float(reward) if isinstance(reward, int | float) and not isinstance(reward, bool) else 0.0
+            successes, reward_sum = self.by_server.get(name, (0, 0.0))
+            self.by_server[name] = (successes + 1, reward_sum + value)
+        if self.display is not None:
+            self.display.update(done=self.done, failed=self.failed, by_server=self.by_server)
