@@ -24,9 +24,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from gym_ray import keys
+from gym_ray._internal import latency
 from gym_ray._internal.atomic import atomic_write_bytes
 from gym_ray._internal.tasks import first_error
 from gym_ray.aggregate import aggregate_run, raise_for_aggregation_errors, raise_for_completion_rejection
@@ -35,7 +36,7 @@ from gym_ray.config import RunSettings, load_config
 from gym_ray.dispatch import dispatch
 from gym_ray.errors import NoProgressError, UsageError
 from gym_ray.merge import merge_shards
-from gym_ray.outcomes import record_of
+from gym_ray.outcomes import CompletedRollout, record_of
 from gym_ray.plan import (
     DEFAULT_SHARD_SIZE,
     RUN_MANIFEST,
@@ -91,6 +92,8 @@ class ShardReport(BaseModel):
     omitted: int
     wall_s: float
     worker: str | None = None
+    latency_ms_sum: float = 0.0
+    latency_histogram: list[int] = Field(default_factory=list)
 
 
 class RunResult(BaseModel):
@@ -116,6 +119,7 @@ class RunResult(BaseModel):
     num_workers: int
     key_metrics: dict[str, dict[str, Any]]
     aggregation_errors: dict[str, str]
+    latency_ms: dict[str, float | None] = Field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,6 +165,8 @@ async def run_shard(
     writer.open()
     failed_by_class: Counter[str] = Counter()
     succeeded = failed = omitted = 0
+    latency_sum_ms = 0.0
+    histogram = [0] * latency.NUM_BUCKETS
     try:
         plan = plan_resume(
             spec.run_dir,
@@ -188,6 +194,9 @@ async def run_shard(
                 async for row, outcome in completions:
                     watchdog.reschedule(loop.time() + stall_s)
                     record = record_of(row, outcome)
+                    if isinstance(outcome, CompletedRollout) and outcome.rollout_latency_ms is not None:
+                        latency_sum_ms += outcome.rollout_latency_ms
+                        histogram[latency.bucket_of(outcome.rollout_latency_ms)] += 1
                     written = writer.append(record)
                     if written is None:
                         omitted += 1
@@ -212,6 +221,8 @@ async def run_shard(
     finally:
         writer.close()
     return ShardReport(
+        latency_ms_sum=latency_sum_ms,
+        latency_histogram=histogram,
         shard=spec.shard,
         planned=spec.num_rows,
         already_done=spec.num_rows - len(pending),
@@ -401,6 +412,8 @@ async def finalize_run(
     for report in reports:
         failed_by_class.update(report.failed_by_class)
     dispatched = sum(r.dispatched for r in reports)
+    latencies = latency.merge(r.latency_histogram for r in reports)
+    timed = sum(latencies)
     result = RunResult(
         run_dir=str(root),
         run_id=plan.run_id,
@@ -420,6 +433,11 @@ async def finalize_run(
         num_workers=num_workers,
         key_metrics=key_metrics,
         aggregation_errors=errors,
+        latency_ms={
+            "mean": sum(r.latency_ms_sum for r in reports) / timed if timed else None,
+            "p50": latency.quantile_ms(latencies, 0.5),
+            "p99": latency.quantile_ms(latencies, 0.99),
+        },
     )
     atomic_write_bytes(root / SUMMARY_FILE, (result.model_dump_json(indent=2) + "\n").encode())
     if metrics_path is not None:

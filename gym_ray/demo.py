@@ -40,6 +40,9 @@ def format_result(result: RunResult) -> str:
         f"({result.already_done} already on disk, {result.dispatched} dispatched)",
         f"wall {result.wall_s:.1f} s, {result.rollouts_per_s:.0f} rollouts/s, {result.num_workers} workers",
     ]
+    p50, p99 = result.latency_ms.get("p50"), result.latency_ms.get("p99")
+    if p50 is not None and p99 is not None:
+        lines.append(f"rollout latency p50 {p50:.0f} ms, p99 {p99:.0f} ms")
     if result.failed_by_class:
         classes = ", ".join(f"{k}={v}" for k, v in sorted(result.failed_by_class.items()))
         lines.append(f"failures by class: {classes}")

@@ -88,6 +88,10 @@ async def test_collect_records_every_rollout_once_and_aggregates_once_per_server
     ]
     summary = json.loads((out / "rollouts_summary.json").read_text())
     assert (summary["planned"], summary["succeeded"]) == (90, 90)
+    # the server sleeps 2 ms per /run: every latency figure is at least that, and ordered
+    figures = summary["latency_ms"]
+    assert 2.0 <= figures["p50"] <= figures["p99"]
+    assert figures["mean"] >= 2.0
     report = check_run(out)
     assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
 

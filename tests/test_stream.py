@@ -172,6 +172,26 @@ async def test_aclose_cancels_server_handlers_on_every_worker(ray_session: Any) 
             await anext(rollouts)
 
 
+async def test_cancelling_the_consumer_like_a_cell_interrupt_cancels_every_worker(ray_session: Any) -> None:
+    async with serve_config(_config(fast_ms=20_000)) as servers:
+        rollouts = stream([_row(i) for i in range(10)], config=servers.config, num_workers=2, max_in_flight=4)
+
+        async def consume() -> None:
+            async for _ in rollouts:
+                pass
+
+        consumer = asyncio.create_task(consume())  # the notebook cell
+        await _until(lambda: servers.stats("fast_env").in_flight == 4, "4 handlers running")
+        consumer.cancel()  # what Jupyter's interrupt does to the awaiting cell
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        await _until(lambda: servers.stats("fast_env").cancelled == 4, "4 cancelled handlers")
+        stats = servers.stats("fast_env")
+        assert (stats.requests, stats.in_flight, stats.completed) == (4, 0, 0)
+        with pytest.raises(StopAsyncIteration):
+            await anext(rollouts)
+
+
 async def test_aclose_and_drain_returns_completed_outcomes_once(ray_session: Any) -> None:
     rows = [_row(i, "slow" if i >= 4 else "fast") for i in range(6)]
     async with serve_config(_config(slow_ms=20_000)) as servers:
