@@ -23,6 +23,9 @@ different settings can share a process. A Ray worker calls :func:`setup_tracing_
 run config (``run_shard`` does so itself) and, to link its rollouts to the driver's job span, runs its
 shards inside :func:`attach_traceparent` with the driver's :func:`current_traceparent`.
 
+Settings parsing, exporters and the provider cache live in :mod:`gym_ray._internal.otel_setup`;
+:class:`TracingSettings` and :class:`JsonlSpanExporter` are re-exported here.
+
 Concurrency: spans are attached to the contextvars of the rollout's own task and detached before it
 ends; nothing here creates tasks or threads except the SDK's batch span processor / periodic metric
 reader of the ``console`` and ``otlp`` exporters (joined by :func:`shutdown_tracing` or at exit).
@@ -30,43 +33,31 @@ reader of the ``console`` and ``otlp`` exporters (joined by :func:`shutdown_trac
 
 from __future__ import annotations
 
-import importlib
-import json
-import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.metrics import Meter
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import (
-    ConsoleMetricExporter,
-    InMemoryMetricReader,
-    MetricExporter,
-    MetricReader,
-    PeriodicExportingMetricReader,
-)
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-    SpanExporter,
-    SpanExportResult,
-)
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from pydantic import BaseModel, ConfigDict
-from pydantic import ValidationError as PydanticValidationError
 
 from gym_ray import keys
+from gym_ray._internal.otel_setup import TRACING_KEY as TRACING_KEY
+from gym_ray._internal.otel_setup import ExporterName as ExporterName
+from gym_ray._internal.otel_setup import JsonlSpanExporter as JsonlSpanExporter
+from gym_ray._internal.otel_setup import Preset as Preset
+from gym_ray._internal.otel_setup import SettingsCache, build_providers
+from gym_ray._internal.otel_setup import TracingSettings as TracingSettings
 from gym_ray.errors import ConfigError, ServerHTTPError
 from gym_ray.outcomes import CompletedRollout, RolloutFailureRecord, failure_class_for_status
 
@@ -89,24 +80,11 @@ __all__ = [
     "shutdown_tracing",
 ]
 
-#: Top-level run config key of the tracing block.
-TRACING_KEY = "tracing"
 #: Span groups of each preset (NeMo Gym's names; the job span is the only difference).
 PRESETS: dict[str, frozenset[str]] = {
     "default": frozenset({"job", "rollout", "http_client", "server"}),
     "per_rollout": frozenset({"rollout", "http_client", "server"}),
 }
-Preset = Literal["default", "per_rollout"]
-ExporterName = Literal["none", "console", "otlp", "memory", "file"]
-_EXPORTERS = ("none", "console", "otlp", "memory", "file")
-_OTLP_MODULES = (
-    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
-)
-_OTLP_METRIC_MODULES = (
-    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
-    "opentelemetry.exporter.otlp.proto.grpc.metric_exporter",
-)
 
 # Span attribute names.
 ATTR_TASK_INDEX = "gym_ray.task_index"
@@ -125,83 +103,6 @@ JOB_SPAN = "gym_ray.job"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _ROOT = Context()
-
-
-class TracingSettings(BaseModel):
-    """The ``tracing:`` block of a run config.
-
-    Attributes:
-        enabled: Off by default; when off nothing is traced or measured.
-        preset: ``default`` (job span + per-rollout traces + HTTP client spans) or ``per_rollout`` (no job
-            span: each rollout is its own unlinked root trace).
-        exporter: ``none`` (spans are made and propagated, not exported), ``console``, ``otlp`` (needs
-            ``pip install opentelemetry-exporter-otlp``), ``memory`` (tests; see :attr:`Tracer.memory`) or
-            ``file`` (one JSON line per span appended to ``file_path`` by every process, Ray workers
-            included; see :class:`JsonlSpanExporter`).
-        file_path: The span file of the ``file`` exporter (required by it).
-        service_name: The ``service.name`` resource attribute.
-        metrics_enabled: Also export :class:`RunMetrics` through the same exporter kind.
-        metrics_interval_s: Export interval of periodic metric exporters (console, otlp).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-    enabled: bool = False
-    preset: Preset = "default"
-    exporter: ExporterName = "none"
-    service_name: str = "gym-ray"
-    metrics_enabled: bool = False
-    metrics_interval_s: float = 60.0
-    file_path: str | None = None
-
-    @classmethod
-    def from_config(
-        cls, cfg: Mapping[str, Any], *, environ: Mapping[str, str] | None = None
-    ) -> TracingSettings:
-        """Read ``cfg["tracing"]`` (absent = defaults), then apply the ``OTEL_*`` environment variables.
-
-        Raises:
-            ConfigError: The block is not a mapping, has an unknown key, or a value of the wrong type or
-                outside the allowed values (``key`` is ``tracing.<field>``); or ``OTEL_TRACES_EXPORTER``
-                names an unsupported exporter.
-        """
-        env = os.environ if environ is None else environ
-        block = cfg.get(TRACING_KEY)
-        if block is None:
-            block = {}
-        if not isinstance(block, Mapping):
-            raise ConfigError(
-                f"{TRACING_KEY} = {block!r:.80} is not a mapping; write e.g. "
-                "tracing: {enabled: true, exporter: console}",
-                key=TRACING_KEY,
-            )
-        data = dict(block)
-        exporter = env.get("OTEL_TRACES_EXPORTER")
-        if exporter:
-            exporter = exporter.strip().lower()
-            if exporter not in _EXPORTERS:
-                raise ConfigError(
-                    f"OTEL_TRACES_EXPORTER={exporter!r} is not supported by gym_ray; use one of "
-                    f"{', '.join(_EXPORTERS)} (a single value)",
-                    key="OTEL_TRACES_EXPORTER",
-                )
-            data["exporter"] = exporter
-        service = env.get("OTEL_SERVICE_NAME")
-        if service:
-            data["service_name"] = service
-        if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-            data["enabled"] = False
-        try:
-            return cls.model_validate(data)
-        except PydanticValidationError as exc:
-            err = exc.errors()[0]
-            field = ".".join(str(p) for p in err["loc"])
-            raise ConfigError(
-                f"{TRACING_KEY}.{field} = {err.get('input')!r:.80}: {err['msg']}; allowed keys: "
-                f"{', '.join(cls.model_fields)} (preset: default|per_rollout, exporter: "
-                f"{'|'.join(_EXPORTERS)})",
-                key=f"{TRACING_KEY}.{field}",
-            ) from exc
 
 
 class RunMetrics:
@@ -505,69 +406,9 @@ def attach_traceparent(traceparent: str | None) -> Iterator[SpanContext | None]:
         otel_context.detach(token)
 
 
-class JsonlSpanExporter(SpanExporter):
-    """Appends one JSON line per finished span to ``path``; several processes may share the file.
+# --- set-up ------------------------------------------------------------------------------------------
 
-    A line: ``name``, ``trace_id``/``span_id``/``parent_span_id`` (hex), ``links`` (``[{trace_id,
-    span_id}]``), ``attributes``, ``status`` (``UNSET|OK|ERROR``), ``pid``. Each export is one ``write``
-    on an ``O_APPEND`` descriptor, so lines from concurrent processes do not interleave on a local disk.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._lock = threading.Lock()
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        """Append ``spans`` (one line each)."""
-        data = "".join(json.dumps(_span_line(span), separators=(",", ":")) + "\n" for span in spans)
-        with self._lock:
-            if self._fd < 0:
-                return SpanExportResult.FAILURE
-            os.write(self._fd, data.encode())
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        """Close the file (later exports fail)."""
-        with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
-
-
-def _span_line(span: ReadableSpan) -> dict[str, Any]:
-    ctx, parent = span.get_span_context(), span.parent
-    return {
-        "name": span.name,
-        "trace_id": f"{ctx.trace_id:032x}" if ctx else None,
-        "span_id": f"{ctx.span_id:016x}" if ctx else None,
-        "parent_span_id": f"{parent.span_id:016x}" if parent else None,
-        "links": [
-            {"trace_id": f"{x.context.trace_id:032x}", "span_id": f"{x.context.span_id:016x}"}
-            for x in span.links
-        ],
-        "attributes": dict(span.attributes or {}),
-        "status": span.status.status_code.name,
-        "pid": os.getpid(),
-    }
-
-
-# --- providers ---------------------------------------------------------------------------------------
-
-_cache: dict[TracingSettings, Tracer] = {}
-_cache_lock = threading.Lock()
-
-
-def _import_first(modules: tuple[str, ...], attr: str) -> Any:
-    for name in modules:
-        try:
-            return getattr(importlib.import_module(name), attr)
-        except ImportError:
-            continue
-    raise ConfigError(
-        "tracing.exporter = 'otlp' needs the OTLP exporter package, which is not installed; run "
-        "`pip install opentelemetry-exporter-otlp` or choose exporter console|memory|none",
-        key=f"{TRACING_KEY}.exporter",
-    )
+_cache: SettingsCache[Tracer] = SettingsCache()
 
 
 def setup_tracing(
@@ -583,68 +424,32 @@ def setup_tracing(
     uncached tracer that exports to them (tests, embedding). Providers are not installed globally.
 
     Raises:
-        ConfigError: ``exporter: otlp`` without the ``opentelemetry-exporter-otlp`` package.
+        ConfigError: ``exporter: otlp`` without the ``opentelemetry-exporter-otlp`` package, or
+            ``exporter: file`` without ``file_path``.
     """
     if not settings.enabled:
         return None
     if span_exporter is None and metric_reader is None:
-        with _cache_lock:
-            hit = _cache.get(settings)
-            if hit is None:
-                hit = _cache[settings] = _build(settings, None, None)
-            return hit
+        return _cache.get_or_build(settings, _build)
     return _build(settings, span_exporter, metric_reader)
 
 
 def _build(
-    settings: TracingSettings, span_exporter: SpanExporter | None, metric_reader: MetricReader | None
+    settings: TracingSettings,
+    span_exporter: SpanExporter | None = None,
+    metric_reader: MetricReader | None = None,
 ) -> Tracer:
-    resource = Resource.create({"service.name": settings.service_name})
-    provider = TracerProvider(resource=resource)
-    memory: InMemorySpanExporter | None = None
-    if span_exporter is not None:
-        provider.add_span_processor(SimpleSpanProcessor(span_exporter))
-        memory = span_exporter if isinstance(span_exporter, InMemorySpanExporter) else None
-    elif settings.exporter == "memory":
-        memory = InMemorySpanExporter()
-        provider.add_span_processor(SimpleSpanProcessor(memory))
-    elif settings.exporter == "console":
-        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-    elif settings.exporter == "otlp":
-        otlp_spans = _import_first(_OTLP_MODULES, "OTLPSpanExporter")
-        provider.add_span_processor(BatchSpanProcessor(otlp_spans()))
-    elif settings.exporter == "file":
-        if not settings.file_path:
-            raise ConfigError(
-                "tracing.exporter = 'file' needs tracing.file_path (the JSONL file spans are appended to); "
-                "add e.g. tracing: {file_path: runs/r1/spans.jsonl}",
-                key=f"{TRACING_KEY}.file_path",
-            )
-        provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(settings.file_path)))
+    built = build_providers(settings, span_exporter, metric_reader)
     metrics: RunMetrics | None = None
-    meter_provider: MeterProvider | None = None
-    if settings.metrics_enabled:
-        reader = metric_reader
-        if reader is None:
-            reader = _metric_reader(settings)
-        if reader is not None:
-            meter_provider = MeterProvider(metric_readers=[reader], resource=resource)
-            metrics = RunMetrics(meter_provider.get_meter("gym_ray"), reader)
-    return Tracer(settings, provider, memory=memory, metrics=metrics, meter_provider=meter_provider)
-
-
-def _metric_reader(settings: TracingSettings) -> MetricReader | None:
-    interval_ms = settings.metrics_interval_s * 1000.0
-    exporter: MetricExporter
-    if settings.exporter == "memory":
-        return InMemoryMetricReader()
-    if settings.exporter == "console":
-        exporter = ConsoleMetricExporter()
-    elif settings.exporter == "otlp":
-        exporter = _import_first(_OTLP_METRIC_MODULES, "OTLPMetricExporter")()
-    else:
-        return None
-    return PeriodicExportingMetricReader(exporter, export_interval_millis=interval_ms)
+    if built.meter_provider is not None:
+        metrics = RunMetrics(built.meter_provider.get_meter("gym_ray"), built.metric_reader)
+    return Tracer(
+        settings,
+        built.provider,
+        memory=built.memory,
+        metrics=metrics,
+        meter_provider=built.meter_provider,
+    )
 
 
 def setup_tracing_from_config(cfg: Mapping[str, Any]) -> Tracer | None:
@@ -665,14 +470,9 @@ def shutdown_tracing(tracer: Tracer | None = None) -> None:
     """Flush and shut down ``tracer``'s providers, or (None) every cached one, and forget them."""
     if tracer is not None:
         targets = [tracer]
-        with _cache_lock:
-            for key, value in list(_cache.items()):
-                if value is tracer:
-                    del _cache[key]
+        _cache.forget(tracer)
     else:
-        with _cache_lock:
-            targets = list(_cache.values())
-            _cache.clear()
+        targets = _cache.drain()
     for target in targets:
         target.provider.shutdown()
         if target.meter_provider is not None:
