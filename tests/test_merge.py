@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import random
 import re
 from pathlib import Path
@@ -183,6 +184,9 @@ def test_merge_of_a_folder_without_shards_is_an_input_error(tmp_path: Path) -> N
             {"output_prefix": "rollouts-all"}, "does not start with 'rollouts-'", id="prefix-shardlike"
         ),
         pytest.param({"fan_in": 1}, "fan_in=1", id="fan-in-1"),
+        pytest.param({"workers": 0}, "workers=0 must be an integer >= 1", id="workers-0"),
+        pytest.param({"workers": 2.0}, "workers=2.0 must be an integer >= 1", id="workers-float"),
+        pytest.param({"pool_min_bytes": -1}, "pool_min_bytes=-1 must be an integer >= 0", id="pool-min-neg"),
     ],
 )
 def test_merge_rejects_bad_arguments(tmp_path: Path, kwargs: dict[str, Any], fragment: str) -> None:
@@ -333,3 +337,52 @@ def test_merge_classifies_mutated_lines_like_the_jsonl_reader(tmp_path: Path) ->
         result = merge_shards(run_dir)
         assert (result.successes, result.corrupt_lines) == (1, 0), line
         assert (run_dir / "rollouts.jsonl").read_bytes() == line + b"\n"
+
+
+def wide_and_crafted_run(run_dir: Path) -> None:
+    """crafted_run plus shards whose indices need the wide key layout (a retry inside the merge)."""
+    crafted_run(run_dir)
+    write_shard(run_dir, "d", [rec(2**70, 0, src="d"), fail(-(2**65), 1, attempt=3, src="d"), rec(0, 0)])
+    write_shard(run_dir, "e", [rec(t, r, src="e") for t in range(30, 10, -1) for r in (2, 0, 1)])
+
+
+def merged_bytes(run_dir: Path) -> tuple[bytes, bytes]:
+    return (run_dir / "rollouts.jsonl").read_bytes(), (run_dir / "rollouts_failures.jsonl").read_bytes()
+
+
+def test_process_pool_writes_the_same_bytes_and_counts_as_in_process(tmp_path: Path) -> None:
+    wide_and_crafted_run(tmp_path)
+    in_process = merge_shards(tmp_path, fan_in=2, workers=1)
+    expected = merged_bytes(tmp_path)
+    (tmp_path / "rollouts.jsonl").write_text("old\n")
+    pooled = merge_shards(tmp_path, fan_in=2, workers=2, pool_min_bytes=0)
+    assert merged_bytes(tmp_path) == expected
+    assert pooled == in_process
+    assert (pooled.successes, pooled.failures, pooled.corrupt_lines, pooled.omitted_rows_skipped) == (
+        68,
+        5,
+        2,
+        1,
+    )
+    assert multiprocessing.active_children() == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_error_in_a_pool_process_surfaces_like_in_process(tmp_path: Path) -> None:
+    """The first failing shard in shard order raises, with the same type and message; nothing is left."""
+    write_shard(tmp_path, "a", [rec(0, 0)])
+    write_shard(tmp_path, "b", [rec(1, 0), rec(1, 1), {"reward": 1.0}])
+    write_shard(tmp_path, "c", [{"reward": 0.0}])
+    (tmp_path / "rollouts.jsonl").write_text("old\n")
+    messages = []
+    for kwargs in ({"workers": 1}, {"workers": 2, "pool_min_bytes": 0}):
+        with pytest.raises(InputError) as info:
+            merge_shards(tmp_path, **kwargs)
+        assert type(info.value) is InputError
+        assert (info.value.path, info.value.line) == (str(shard_paths(tmp_path, "b").successes), 3)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    assert re.search(r"rollouts-b\.jsonl:3: record has no integer _ng_task_index", messages[1])
+    assert (tmp_path / "rollouts.jsonl").read_text() == "old\n"
+    assert multiprocessing.active_children() == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
