@@ -46,8 +46,9 @@ def bench_config() -> dict[str, Any]:
     }
 
 
-def _rows(n: int) -> Iterator[dict[str, Any]]:
-    for i in range(n):
+def bench_rows(n: int, offset: int = 0) -> Iterator[dict[str, Any]]:
+    """``n`` bench rows (task indices ``offset..offset+n-1``), produced lazily: never a list."""
+    for i in range(offset, offset + n):
         yield {
             "responses_create_params": {"input": [{"role": "user", "content": f"What is {i % 97} + 3?"}]},
             "expected_answer": str(i % 97 + 3),
@@ -57,11 +58,11 @@ def _rows(n: int) -> Iterator[dict[str, Any]]:
         }
 
 
-def _serve(conn: Connection) -> None:
+def _serve(conn: Connection, config: dict[str, Any]) -> None:
     from gym_ray.servers import serve_config
 
     async def main() -> None:
-        async with serve_config(bench_config()) as dep:
+        async with serve_config(config) as dep:
             conn.send(dep.config)
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)
 
@@ -72,7 +73,7 @@ async def _bare_loop(url: str, n: int, concurrency: int) -> int:
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, keepalive_timeout=15.0)
     timeout = aiohttp.ClientTimeout(total=900.0, connect=10.0, sock_connect=10.0)
     headers = {"Content-Type": "application/json"}
-    rows = _rows(n)
+    rows = bench_rows(n)
     done = 0
     async with aiohttp.ClientSession(
         connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()
@@ -92,10 +93,11 @@ async def _bare_loop(url: str, n: int, concurrency: int) -> int:
     return done
 
 
-async def _gym_ray_loop(config: dict[str, Any], n: int, concurrency: int) -> int:
+async def run_examples_loop(config: dict[str, Any], n: int, concurrency: int) -> int:
+    """Consume ``n`` bench rows through ``run_examples`` with ``max_resident_tasks=concurrency``."""
     done = 0
     async with RolloutCollectionHelper(config, max_connections=concurrency) as helper:
-        completions = helper.run_examples(_rows(n), max_resident_tasks=concurrency)
+        completions = helper.run_examples(bench_rows(n), max_resident_tasks=concurrency)
         try:
             async for _row, _result in completions:
                 done += 1
@@ -107,11 +109,11 @@ async def _gym_ray_loop(config: dict[str, Any], n: int, concurrency: int) -> int
 async def _measure(config: dict[str, Any], n: int, concurrency: int) -> dict[str, Any]:
     url = _env_url(config) + "/run"
     await _bare_loop(url, _WARMUP_ROWS, concurrency)
-    await _gym_ray_loop(config, _WARMUP_ROWS, concurrency)
+    await run_examples_loop(config, _WARMUP_ROWS, concurrency)
     out: dict[str, Any] = {"n": n, "concurrency": concurrency}
     loops: list[tuple[str, Callable[[], Awaitable[int]]]] = [
         ("bare_aiohttp", lambda: _bare_loop(url, n, concurrency)),
-        ("run_examples", lambda: _gym_ray_loop(config, n, concurrency)),
+        ("run_examples", lambda: run_examples_loop(config, n, concurrency)),
     ]
     for name, run in loops:
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -129,15 +131,26 @@ async def _measure(config: dict[str, Any], n: int, concurrency: int) -> dict[str
 
 
 @contextlib.contextmanager
-def serve_bench_server() -> Iterator[dict[str, Any]]:
-    """Run the instant reference server in a separate process; yields its config (real ports)."""
+def serve_bench_server(config: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """Run a reference server (default: the instant one) in a separate process; yields its config.
+
+    Raises:
+        RuntimeError: the server exited, or did not report its ports within 60 s.
+    """
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    server = ctx.Process(target=_serve, args=(child,), daemon=True)
+    server = ctx.Process(target=_serve, args=(child, config or bench_config()), daemon=True)
     server.start()
     try:
-        if not parent.poll(60):
-            raise RuntimeError("the benchmark's reference server did not start within 60 s")
+        deadline = time.monotonic() + 60.0
+        while not parent.poll(0.2):
+            if not server.is_alive():
+                raise RuntimeError(
+                    f"the benchmark's reference server exited with code {server.exitcode} before it "
+                    "started; see its traceback above"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError("the benchmark's reference server did not start within 60 s")
         yield parent.recv()
     finally:
         parent.send("stop")

@@ -17,19 +17,16 @@ Run: ``python -m gym_ray.bench.latency [latency_ms] [in_flight] [rollouts]``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
-import multiprocessing
 import sys
 import time
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
 from typing import Any
 
 import aiohttp
 
-from gym_ray.bench.dispatch import bench_config
+from gym_ray.bench.dispatch import bench_config, bench_rows, serve_bench_server
 from gym_ray.errors import UsageError
 from gym_ray.helper import RolloutCollectionHelper
 
@@ -41,58 +38,6 @@ def latency_config(latency_ms: float) -> dict[str, Any]:
     env["latency_ms"] = latency_ms
     env["latency_jitter_ms"] = 0
     return config
-
-
-def _rows(n: int, offset: int = 0) -> Iterator[dict[str, Any]]:
-    for i in range(offset, offset + n):
-        yield {
-            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i % 97} + 3?"}]},
-            "expected_answer": str(i % 97 + 3),
-            "agent_ref": {"name": "bench_agent"},
-            "_ng_task_index": i,
-            "_ng_rollout_index": 0,
-        }
-
-
-def _serve(conn: Connection, latency_ms: float) -> None:
-    from gym_ray.servers import serve_config
-
-    async def main() -> None:
-        async with serve_config(latency_config(latency_ms)) as dep:
-            conn.send(dep.config)
-            await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-
-    asyncio.run(main())
-
-
-@contextlib.contextmanager
-def serve_latency_server(latency_ms: float) -> Iterator[dict[str, Any]]:
-    """Run the reference server with a fixed ``latency_ms`` in a separate process; yields its config.
-
-    Raises:
-        RuntimeError: the server exited, or did not report its ports within 60 s.
-    """
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(target=_serve, args=(child, latency_ms), daemon=True)
-    server.start()
-    try:
-        deadline = time.monotonic() + 60.0
-        while not parent.poll(0.2):
-            if not server.is_alive():
-                raise RuntimeError(
-                    f"the latency benchmark's reference server exited with code {server.exitcode} before "
-                    "it started; see its traceback above"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError("the latency benchmark's reference server did not start within 60 s")
-        yield parent.recv()
-    finally:
-        parent.send("stop")
-        server.join(10)
-        if server.is_alive():
-            server.terminate()
-            server.join(5)
 
 
 async def _drive(
@@ -107,7 +52,7 @@ async def _drive(
     done = 0
     quarter, three_quarters = n // 4, 3 * n // 4
     marks: dict[int, float] = {}
-    completions = helper.run_examples(_rows(n, offset), max_resident_tasks=in_flight)
+    completions = helper.run_examples(bench_rows(n, offset), max_resident_tasks=in_flight)
     started = time.perf_counter()
     try:
         async for _row, _result in completions:
@@ -152,9 +97,9 @@ async def _bare_loop(url: str, n: int, offset: int, in_flight: int) -> tuple[int
                     tg.create_task(loop(rows))
             return time.perf_counter() - started
 
-        await run(_rows(in_flight, 0))  # warm-up: opens the connections
+        await run(bench_rows(in_flight, 0))  # warm-up: opens the connections
         done = 0
-        wall_s = await run(_rows(n, offset))
+        wall_s = await run(bench_rows(n, offset))
     return done, wall_s
 
 
@@ -215,7 +160,7 @@ def run_latency_bench(latency_ms: float = 500, in_flight: int = 256, rollouts: i
             f"latency_ms={latency_ms!r}, in_flight={in_flight!r}, rollouts={rollouts!r}: "
             "all three must be positive"
         )
-    with serve_latency_server(latency_ms) as config:
+    with serve_bench_server(latency_config(latency_ms)) as config:
         result = asyncio.run(_measure(config, latency_ms, in_flight, rollouts))
     print(
         f"latency bench: latency={latency_ms:g} ms in_flight={in_flight} rollouts={rollouts} "

@@ -20,11 +20,11 @@ import multiprocessing
 import resource
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from gym_ray.bench.dispatch import serve_bench_server
+from gym_ray.bench.dispatch import run_examples_loop, serve_bench_server
 from gym_ray.errors import UsageError
 
 #: ru_maxrss is in KiB on Linux.
@@ -33,34 +33,8 @@ _KIB_PER_MB = 1024.0
 _CHILD_TIMEOUT_S = 3600.0
 
 
-def _rows(n: int) -> Iterator[dict[str, Any]]:
-    """``n`` bench rows, produced one at a time: the input never exists as a list."""
-    for i in range(n):
-        yield {
-            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i % 97} + 3?"}]},
-            "expected_answer": str(i % 97 + 3),
-            "agent_ref": {"name": "bench_agent"},
-            "_ng_task_index": i,
-            "_ng_rollout_index": 0,
-        }
-
-
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / _KIB_PER_MB
-
-
-async def _consume(config: dict[str, Any], n: int, max_resident_tasks: int) -> int:
-    from gym_ray.helper import RolloutCollectionHelper
-
-    done = 0
-    async with RolloutCollectionHelper(config, max_connections=max_resident_tasks) as helper:
-        completions = helper.run_examples(_rows(n), max_resident_tasks=max_resident_tasks)
-        try:
-            async for _row, _result in completions:
-                done += 1
-        finally:
-            await completions.aclose()
-    return done
 
 
 def _child(conn: Connection, config: dict[str, Any], n: int, max_resident_tasks: int) -> None:
@@ -69,7 +43,7 @@ def _child(conn: Connection, config: dict[str, Any], n: int, max_resident_tasks:
 
     baseline_mb = _peak_rss_mb()
     started, cpu_started = time.perf_counter(), time.process_time()
-    done = asyncio.run(_consume(config, n, max_resident_tasks))
+    done = asyncio.run(run_examples_loop(config, n, max_resident_tasks))
     wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     conn.send(
         {

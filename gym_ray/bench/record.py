@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gym_ray.bench.dispatch import _bare_loop, _env_url, _rows, serve_bench_server
+from gym_ray.bench.dispatch import _bare_loop, _env_url, bench_rows, serve_bench_server
 from gym_ray.collect import client_for, plan_run, run_shard
 from gym_ray.config import RunSettings
 from gym_ray.topology import Topology
@@ -26,7 +26,7 @@ async def _record_loop(config: dict[str, Any], folder: Path, n: int, concurrency
         {"max_resident_tasks": concurrency, "max_connections": concurrency, "shard_size": n}
     )
     cpu0 = time.process_time()
-    plan = plan_run(_rows(n), folder, config_identity=topology.identity_digest(), shard_size=n)
+    plan = plan_run(bench_rows(n), folder, config_identity=topology.identity_digest(), shard_size=n)
     plan_cpu = time.process_time() - cpu0
     cpu0, wall0 = time.process_time(), time.perf_counter()
     async with client_for(topology, settings) as client:

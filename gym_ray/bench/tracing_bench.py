@@ -18,14 +18,13 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from gym_ray import keys
-from gym_ray.bench.dispatch import serve_bench_server
+from gym_ray.bench.dispatch import bench_rows, serve_bench_server
 from gym_ray.client import ServerClient
 from gym_ray.dispatch import dispatch
 from gym_ray.topology import Topology
@@ -45,22 +44,13 @@ class CountingExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-def _rows(n: int) -> Iterator[dict[str, Any]]:
-    for i in range(n):
-        yield {
-            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i % 97} + 3?"}]},
-            "expected_answer": str(i % 97 + 3),
-            "agent_ref": {"name": "bench_agent"},
-            keys.TASK_INDEX: i,
-            keys.ROLLOUT_INDEX: 0,
-        }
-
-
 async def _loop(topology: Topology, n: int, concurrency: int, tracer: Tracer | None) -> int:
     done = 0
     async with ServerClient(topology, max_connections=concurrency) as client:
         with job_span(tracer, run_id="tracing-bench"):
-            completions = dispatch(_rows(n), client, topology, max_resident_tasks=concurrency, tracer=tracer)
+            completions = dispatch(
+                bench_rows(n), client, topology, max_resident_tasks=concurrency, tracer=tracer
+            )
             try:
                 async for _row, _outcome in completions:
                     done += 1
