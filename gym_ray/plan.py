@@ -33,9 +33,10 @@ from pydantic import BaseModel, ConfigDict
 
 from gym_ray import keys
 from gym_ray._internal.atomic import atomic_write_bytes
+from gym_ray._internal.spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.config import RunSettings
-from gym_ray.errors import ResumeError, UsageError
-from gym_ray.preprocess import iter_preprocess, load_jsonl
+from gym_ray.errors import GymRayError, ResumeError, UsageError
+from gym_ray.preprocess import TaskNumbering, iter_preprocess, load_jsonl
 from gym_ray.records import ShardManifest, ShardWriter
 from gym_ray.topology import Topology
 from gym_ray.validation import validate_rows
@@ -404,10 +405,11 @@ def input_rows(
     settings: RunSettings,
     topology: Topology,
     rows: Iterable[Mapping[str, Any]] | None = None,
-) -> Callable[[], Iterator[dict[str, Any]]]:
+) -> Callable[..., Iterator[dict[str, Any]]]:
     """A re-iterable source of the run's preprocessed rows (the input is read once per call).
 
-    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``.
+    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``. The
+    returned callable takes an optional ``task_numbering`` (see :func:`gym_ray.preprocess.iter_preprocess`).
     """
     if rows is None:
         if settings.input_jsonl_fpath is None:
@@ -427,7 +429,7 @@ def input_rows(
         def source() -> Iterable[Mapping[str, Any]]:
             return fixed
 
-    def preprocessed() -> Iterator[dict[str, Any]]:
+    def preprocessed(task_numbering: TaskNumbering | None = None) -> Iterator[dict[str, Any]]:
         return iter_preprocess(
             source(),
             agent_map=settings.agent_map,
@@ -438,6 +440,7 @@ def input_rows(
             task_ids=settings.task_ids,
             responses_create_params=settings.responses_create_params,
             topology=topology,
+            task_numbering=task_numbering,
         )
 
     return preprocessed
@@ -482,9 +485,15 @@ def iter_prepare_run(
     :func:`iter_plan` cuts, writes and yields one shard at a time, so a consumer hands out shard ``i``
     while the rest of the input is still being cut. Resume works as with :func:`prepare_run`.
 
+    Memory does not grow with the number of distinct tasks: the validation pass records each row's content
+    digest in sorted runs in a temporary folder (16 bytes per row on disk), and the planning pass numbers
+    identical rows from that (:mod:`gym_ray._internal.spill_dedupe`). With ``task_ids`` or
+    ``interleave_repeats`` both passes number tasks in memory instead.
+
     Raises:
         UsageError: No ``output_dir`` or no input.
         RoutingError / ValidationError: From the validation pass (before anything is written).
+        InputError: The input changed between the validation pass and the planning pass.
         ResumeError: The run folder holds another run (see :func:`iter_plan`).
     """
     settings = RunSettings.from_config(cfg)
@@ -492,21 +501,45 @@ def iter_prepare_run(
     source = input_rows(settings, topology, rows)
     counted = 0
 
-    def counting() -> Iterator[dict[str, Any]]:
+    def counting(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         nonlocal counted
-        for row in source():
+        counted = 0
+        for row in rows:
             counted += 1
             yield row
 
-    validate_rows(counting(), topology)
-    yield from iter_plan(
-        source(),
-        output_dir,
-        config_identity=topology.identity_digest(),
-        shard_size=settings.shard_size,
-        max_rollout_attempts=settings.max_rollout_attempts,
-        run_rows=counted,
-    )
+    def plan(rows: Iterator[dict[str, Any]]) -> Iterator[ShardSpec]:
+        return iter_plan(
+            rows,
+            output_dir,
+            config_identity=topology.identity_digest(),
+            shard_size=settings.shard_size,
+            max_rollout_attempts=settings.max_rollout_attempts,
+            run_rows=counted,
+        )
+
+    if settings.task_ids is not None or settings.interleave_repeats:
+        # task_ids selects by task index, which the validation pass must then know exactly, and
+        # interleaving buffers the whole output anyway: number tasks in memory in both passes.
+        validate_rows(counting(source()), topology)
+        yield from plan(source())
+        return
+    with SpillDedupe() as dedupe:
+        try:
+            validate_rows(counting(source(dedupe)), topology)
+        except GymRayError:
+            # The first pass numbers tasks with stand-ins; redo it with exact numbers so the error names
+            # each row by its real task index (failing runs only).
+            validate_rows(counting(source()), topology)
+            raise
+        replay = dedupe.replay()
+        yield from plan(_checked(source(replay), replay))
+
+
+def _checked(rows: Iterator[dict[str, Any]], replay: DedupeReplay) -> Iterator[dict[str, Any]]:
+    """``rows``, then the check that the second pass numbered what the first pass saw."""
+    yield from rows
+    replay.finish()
 
 
 def _output_dir(cfg: Mapping[str, Any]) -> str:

@@ -10,7 +10,9 @@ Memory promise: ``load_jsonl`` and ``iter_preprocess`` stream. ``iter_preprocess
 time plus two compact tables per *distinct task* (:mod:`gym_ray._internal.compact_index`): content digest ->
 task index (about 17-25 bytes per task) and task index -> next rollout index (about 1-2 bytes per task while
 task indices are dense; a dict entry for sparse caller-given ``_ng_task_index`` values), which identical-row
-dedupe and the per-task rollout counter need. ``interleave_repeats`` is the exception: it reorders the whole
+dedupe and the per-task rollout counter need. Planning a run (:mod:`gym_ray.plan`) reads the input twice and
+numbers tasks on disk instead (``task_numbering``, :mod:`gym_ray._internal.spill_dedupe`), which leaves only
+the 1-2 bytes per task of the counters. ``interleave_repeats`` is the exception: it reorders the whole
 output, so it buffers it. Error reports list at most ``MAX_LISTED_ROWS`` rows per problem and count the
 rest, so they stay bounded too.
 
@@ -30,7 +32,7 @@ import json
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from gym_ray import keys
 from gym_ray._internal.compact_index import CompactIndex, DenseCounters
@@ -57,6 +59,7 @@ __all__ = [
     "MAX_LINE_BYTES",
     "MAX_LISTED_ROWS",
     "Row",
+    "TaskNumbering",
     "is_materialized_row",
     "iter_preprocess",
     "load_jsonl",
@@ -65,6 +68,14 @@ __all__ = [
     "stamp_environment_agent_refs",
     "validate_rows",
 ]
+
+
+class TaskNumbering(Protocol):
+    """Numbers content digests for identical-row dedupe: ``add(digest)`` returns the digest's task index
+    (the same index for the same digest, new digests numbered 0, 1, 2, ... in order of first sight)."""
+
+    def add(self, key: int, /) -> int: ...
+
 
 #: Longest accepted input line, in bytes (without its newline).
 MAX_LINE_BYTES = 64 * 1024 * 1024
@@ -250,6 +261,7 @@ class _Preprocessor:
         task_ids: Iterable[str | int] | None,
         responses_create_params: Mapping[str, Any] | None,
         topology: Topology | None,
+        task_numbering: TaskNumbering | None = None,
     ) -> None:
         self.topology = topology
         self.agent_map = _check_agent_map(agent_map, topology)
@@ -263,7 +275,7 @@ class _Preprocessor:
                 key="responses_create_params",
             )
         self.overrides = dict(responses_create_params or {})
-        self.task_by_digest = CompactIndex()
+        self.task_by_digest: TaskNumbering = task_numbering if task_numbering is not None else CompactIndex()
         self.next_rollout = DenseCounters()
         self.selected: set[tuple[str, str]] = set()
         self.keys_seen: set[str] = set()
@@ -496,6 +508,7 @@ def iter_preprocess(
     responses_create_params: Mapping[str, Any] | None = None,
     global_config_dict: Mapping[str, Any] | None = None,
     topology: Topology | None = None,
+    task_numbering: TaskNumbering | None = None,
 ) -> Iterator[Row]:
     """Stream the rows a run dispatches; the streaming form of :func:`preprocess_examples`.
 
@@ -503,6 +516,10 @@ def iter_preprocess(
     problems found in individual rows are raised together when the input is exhausted: a caller that gets
     an error from this iterator must discard what it already received. Bad knobs raise here, at the call;
     a taskset without a route raises when its row is reached. Memory: see the module docstring.
+
+    ``task_numbering`` replaces the in-memory digest table that numbers tasks (see
+    :class:`TaskNumbering`); planning passes the two-pass on-disk form of
+    :mod:`gym_ray._internal.spill_dedupe` so that its memory does not grow with the input.
     """
     state = _Preprocessor(
         agent_map=agent_map,
@@ -512,6 +529,7 @@ def iter_preprocess(
         task_ids=task_ids,
         responses_create_params=responses_create_params,
         topology=_topology_arg(global_config_dict, topology),
+        task_numbering=task_numbering,
     )
     return _interleaved(state, examples) if interleave_repeats else _in_order(state, examples)
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-SCENARIOS = ("dispatch", "record", "ray", "tracing", "memory", "latency", "merge")
+SCENARIOS = ("dispatch", "record", "ray", "tracing", "memory", "latency", "merge", "collect-memory")
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -64,6 +64,10 @@ def bench_main(args: argparse.Namespace) -> int:
         from gym_ray.bench.memory import run_memory_bench
 
         result = run_memory_bench(args.sizes, args.concurrency)
+    elif args.scenario == "collect-memory":
+        from gym_ray.bench.collect_memory import run_collect_memory_bench
+
+        result = run_collect_memory_bench(args.sizes, args.concurrency)
     elif args.scenario == "merge":
         from gym_ray.bench.merge_bench import run_merge_bench
 

@@ -16,7 +16,6 @@ Run: ``python -m gym_ray.bench.memory [size ...]`` or ``gym-ray bench memory --s
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import resource
 import sys
 import time
@@ -24,13 +23,12 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from gym_ray.bench.child import run_in_child
 from gym_ray.bench.dispatch import run_examples_loop, serve_bench_server
 from gym_ray.errors import UsageError
 
 #: ru_maxrss is in KiB on Linux.
 _KIB_PER_MB = 1024.0
-#: Upper bound on one child's run (1M rows at ~1000 rollouts/s is ~17 min).
-_CHILD_TIMEOUT_S = 3600.0
 
 
 def _peak_rss_mb() -> float:
@@ -60,28 +58,7 @@ def _child(conn: Connection, config: dict[str, Any], n: int, max_resident_tasks:
 
 
 def _measure_one(config: dict[str, Any], n: int, max_resident_tasks: int) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, config, n, max_resident_tasks), daemon=True)
-    proc.start()
-    child.close()
-    try:
-        if not parent.poll(_CHILD_TIMEOUT_S):
-            raise RuntimeError(
-                f"memory bench child for {n} rows gave no result within {_CHILD_TIMEOUT_S:.0f} s"
-            )
-        result: dict[str, Any] = parent.recv()
-    except EOFError as exc:
-        raise RuntimeError(
-            f"memory bench child for {n} rows exited without a result (exit code {proc.exitcode}); "
-            "rerun with fewer rows to see its traceback"
-        ) from exc
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(5)
-        parent.close()
+    result = run_in_child(_child, (config, n, max_resident_tasks), what=f"memory bench child for {n} rows")
     if result["completed"] != n:
         raise RuntimeError(f"memory bench child finished {result['completed']} of {n} rollouts")
     return result

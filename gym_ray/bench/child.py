@@ -1,0 +1,64 @@
+"""Run one benchmark measurement in a fresh spawned process and get its report back over a pipe.
+
+A fresh process per measurement keeps peak-RSS figures honest: nothing allocated by an earlier
+measurement (or by the parent) counts. The target receives the write end of a pipe as its first argument
+and must send exactly one picklable dict on it; a dict with an ``"error"`` key (a formatted traceback)
+is raised here as a RuntimeError.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+from typing import Any
+
+#: Upper bound on one child's run (1M rows at ~1000 rollouts/s is ~17 min).
+CHILD_TIMEOUT_S = 3600.0
+
+
+def run_in_child(
+    target: Callable[..., None],
+    args: tuple[Any, ...],
+    *,
+    what: str,
+    daemon: bool = True,
+    timeout_s: float = CHILD_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Start ``target(conn, *args)`` in a spawned process and return the dict it sends.
+
+    Args:
+        target: A module-level function (spawn pickles it by name).
+        args: Its arguments after the pipe.
+        what: How errors name the measurement (``"memory bench child for 1000 rows"``).
+        daemon: False when the child starts processes of its own (a daemon may not).
+        timeout_s: How long to wait for the report.
+
+    Raises:
+        RuntimeError: No report in time, the child died without one, or it reported an error.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(child, *args), daemon=daemon)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise RuntimeError(f"{what} gave no result within {timeout_s:.0f} s")
+        report: dict[str, Any] = parent.recv()
+    except EOFError as exc:
+        raise RuntimeError(
+            f"{what} exited without a result (exit code {proc.exitcode}); "
+            "rerun with fewer rows to see its traceback"
+        ) from exc
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+        parent.close()
+    if "error" in report:
+        raise RuntimeError(f"{what} failed:\n{report['error']}")
+    return report
+
+
+__all__ = ["CHILD_TIMEOUT_S", "run_in_child"]
