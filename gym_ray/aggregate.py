@@ -12,11 +12,20 @@ Differences from NeMo Gym 0.7, on purpose:
 * A server whose call failed keeps an entry with empty collections and ``"aggregation_error"``; the
   other servers' metrics are saved before any error is raised.
 
-Memory: ``results`` is consumed once, as a stream (typically the merged ``rollouts.jsonl``); only the
-stripped entries are held (reward, usage, identity keys: a few hundred bytes per success).
+Memory: the request side does not grow with the number of results. ``results`` is consumed once, as
+a stream (typically the merged ``rollouts.jsonl``); each stripped result goes to its server's spool
+file (compact JSON lines) in a private folder ``.aggregate-XXXXXX`` beside the metrics file, removed
+when ``aggregate_metrics`` returns, raises or is cancelled (``gym_ray._internal.aggregate_spool``).
+Each server's body ``{"verify_responses": [...]}`` is assembled from its spool into a file, streamed
+when its results arrived sorted by (task, rollout) (the merged file is), else sorted in memory: that
+server's stripped lines only, the one case where memory grows with the results. The body file is sent
+with ``ServerClient.post_json_file``. On the reply side each reply is held once: validated once into
+``AggregateMetricsReply``, its collections shared (not copied) by the ``AggregateEntry`` and written
+to the file in chunks; its size follows the protocol (``group_level_metrics`` has one entry per task).
 Durability: the metrics file is replaced atomically (temp file, fsync, rename, fsync of the folder).
 Concurrency: one task per server in an ``asyncio.TaskGroup``; each task records its own outcome;
-cancellation cancels every request and propagates.
+cancellation cancels every request, waits for the worker thread in use (it stops at its next row),
+removes the spool folder and propagates.
 
 Order: callers decide ``completion_rejection`` *before* computing the aggregate, so a rejected run
 publishes no score.
@@ -25,9 +34,9 @@ publishes no score.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +44,13 @@ from typing import TYPE_CHECKING, Any
 import pydantic
 
 from gym_ray import keys
-from gym_ray._internal.atomic import atomic_write_bytes
+from gym_ray._internal.aggregate_spool import (
+    ServerSpools,
+    group_results,
+    run_joined,
+    write_json_atomic,
+)
+from gym_ray._internal.aggregate_spool import strip_for_aggregation as strip_for_aggregation
 from gym_ray._internal.jsonl import JsonlReader
 from gym_ray.errors import (
     AggregationError,
@@ -45,7 +60,6 @@ from gym_ray.errors import (
     RunRejectedError,
     ServerResponseError,
     UsageError,
-    ValidationError,
 )
 
 if TYPE_CHECKING:
@@ -152,125 +166,6 @@ def label_runs(agents_by_server: Mapping[str, str | None]) -> dict[str, str]:
     return {s: (a if s in by_agent and a is not None else s) for s, a in agents_by_server.items()}
 
 
-# --- stripping ----------------------------------------------------------------------------------------
-
-
-def strip_for_aggregation(result: Mapping[str, Any]) -> dict[str, Any]:
-    """The copy of a result that ``/aggregate_metrics`` receives.
-
-    Drops ``keys.HEAVY_RESULT_KEYS`` (``response``, ``responses_create_params``, ``ng_trajectory``,
-    ``ng_model_call_capture``, ``ng_agent_observations``), then puts back ``response.usage`` and
-    ``response.incomplete_details`` when they are present and not ``None``. Every other key, including
-    ``ng_perf`` and the ``_ng_*`` identity keys, stays. The input is not modified.
-    """
-    stripped = {k: v for k, v in result.items() if k not in keys.HEAVY_RESULT_KEYS}
-    response = result.get(keys.RESPONSE)
-    if isinstance(response, Mapping):
-        kept = {k: response[k] for k in keys.KEPT_RESPONSE_KEYS if response.get(k) is not None}
-        if kept:
-            stripped[keys.RESPONSE] = kept
-    return stripped
-
-
-def _sort_key(row: Mapping[str, Any]) -> tuple[int, int]:
-    task = row.get(keys.TASK_INDEX)
-    rollout = row.get(keys.ROLLOUT_INDEX)
-    return (task if isinstance(task, int) else 0, rollout if isinstance(rollout, int) else 0)
-
-
-def _agent_name(row: Mapping[str, Any]) -> str | None:
-    ref = row.get(keys.AGENT_REF)
-    if isinstance(ref, Mapping):
-        name = ref.get("name")
-        if isinstance(name, str):
-            return name
-    return None
-
-
-def _row_label(row: Mapping[str, Any], position: int) -> str:
-    return f"result #{position} (task {row.get(keys.TASK_INDEX)}, rollout {row.get(keys.ROLLOUT_INDEX)})"
-
-
-_MAX_LISTED = 20
-
-
-class _Grouping:
-    """Streams results into per-server lists of stripped entries; remembers the first agent per server.
-
-    Rows that cannot be grouped are collected (not raised one by one) so that one error lists them all.
-    """
-
-    def __init__(self, topology: Topology) -> None:
-        self._topology = topology
-        self._known = set(topology.environment_servers())
-        # Configs without environment servers: an agent is its own front (PROTOCOL.md section 1).
-        for agent in topology.agents():
-            with contextlib.suppress(GymRayError):
-                if topology.front_of(agent) == agent:
-                    self._known.add(agent)
-        self.entries: dict[str, list[dict[str, Any]]] = {}
-        self.first_agent: dict[str, str | None] = {}
-        self._unknown: dict[str, str] = {}  # unknown stamp -> first row that carries it
-        self._unattributable: list[str] = []
-        self._unattributable_count = 0
-
-    def add(self, result: Mapping[str, Any], position: int) -> None:
-        if result.get(keys.NO_PERSIST) or result.get(keys.FAILURE_CLASS) is not None:
-            return  # only persisted successes are aggregated
-        server = self._server_of(result, position)
-        if server is None:
-            return
-        if server not in self.entries:
-            agent = _agent_name(result)
-            if agent is None and server in self._topology.environment_servers():
-                agent = self._topology.attributed_agent(server)
-            self.entries[server] = []
-            self.first_agent[server] = agent
-        self.entries[server].append(strip_for_aggregation(result))
-
-    def _server_of(self, result: Mapping[str, Any], position: int) -> str | None:
-        stamp = result.get(keys.ENVIRONMENT_SERVER)
-        if stamp is not None:
-            if isinstance(stamp, str) and stamp in self._known:
-                return stamp
-            self._unknown.setdefault(str(stamp), _row_label(result, position))
-            return None
-        agent = _agent_name(result)
-        try:
-            if agent is not None:
-                return self._topology.front_of(agent)
-            # Materialized task rows carry no agent: their taskset's route (or legacy mode's server).
-            return self._topology.environment_server_for_row(result)
-        except GymRayError as exc:
-            self._unattributable_count += 1
-            if len(self._unattributable) < _MAX_LISTED:
-                self._unattributable.append(f"{_row_label(result, position)}: {exc}")
-            return None
-
-    def raise_problems(self) -> None:
-        if self._unknown:
-            names = ", ".join(repr(name) for name in self._unknown)
-            first = "; ".join(f"{name!r} first at {row}" for name, row in self._unknown.items())
-            raise ValidationError(
-                f"Result rows are stamped with environment server {names}, which is not in the running "
-                f"config (available: {sorted(self._known)}); aggregate with the config that produced "
-                f"them ({first})",
-                problems=[
-                    f"{row}: {keys.ENVIRONMENT_SERVER}={name!r}" for name, row in self._unknown.items()
-                ],
-            )
-        if self._unattributable:
-            more = self._unattributable_count - len(self._unattributable)
-            raise ValidationError(
-                f"{self._unattributable_count} result row(s) have no {keys.ENVIRONMENT_SERVER} stamp and "
-                "cannot be attributed to an environment server; aggregate results recorded by gym_ray "
-                "(they carry the stamp), or give the rows agent_ref.name: "
-                + " | ".join(self._unattributable)
-                + (f" | ... and {more} more" if more else ""),
-                problems=list(self._unattributable),
-            )
-
-
 # --- the calls ----------------------------------------------------------------------------------------
 
 
@@ -297,14 +192,12 @@ class _Outcome:
         self.error: Exception | None = None
 
 
-async def _call_one(
-    client: ServerClient, server: str, verify_responses: list[dict[str, Any]], outcome: _Outcome
-) -> None:
+async def _call_one(client: ServerClient, server: str, spools: ServerSpools, outcome: _Outcome) -> None:
     # Each task reports its own outcome instead of raising, so one failed server does not make the
     # TaskGroup cancel the others. CancelledError is a BaseException and propagates.
     try:
-        reply = await client.post_json(server, _AGGREGATE_PATH, {"verify_responses": verify_responses})
-        outcome.reply = _validate_reply(server, reply)
+        body = await run_joined(lambda stop: spools.write_body(server, stop))
+        outcome.reply = _validate_reply(server, await client.post_json_file(server, _AGGREGATE_PATH, body))
     except Exception as exc:
         outcome.error = exc
 
@@ -316,7 +209,8 @@ def _entry(server: str, label: str, outcome: _Outcome) -> AggregateEntry:
         text = f"{type(error).__name__}: {error}" if error is not None else "InternalError: no reply"
         return AggregateEntry(agent_ref=agent_ref, environment_server=server, aggregation_error=text)
     reply = outcome.reply
-    return AggregateEntry(
+    # The reply was validated once (AggregateMetricsReply); the entry shares its collections.
+    return AggregateEntry.model_construct(
         agent_ref=agent_ref,
         environment_server=server,
         agent_metrics=reply.agent_metrics,
@@ -327,12 +221,14 @@ def _entry(server: str, label: str, outcome: _Outcome) -> AggregateEntry:
     )
 
 
-def _group(results: Iterable[Mapping[str, Any]], topology: Topology) -> _Grouping:
-    grouping = _Grouping(topology)
-    for position, result in enumerate(results):
-        grouping.add(result, position)
-    grouping.raise_problems()
-    return grouping
+def _file_shape(entry: AggregateEntry) -> dict[str, Any]:
+    """``entry.to_json()`` without copying the collections: same keys, same order, ``None`` left out."""
+    shape: dict[str, Any] = {}
+    for name, field in AggregateEntry.model_fields.items():
+        value = getattr(entry, name)
+        if value is not None:
+            shape[field.serialization_alias or name] = value
+    return shape
 
 
 async def aggregate_metrics(
@@ -378,23 +274,32 @@ async def aggregate_metrics(
             be attributed to any environment server; every one is listed (raised before any request).
         ServerError: with ``raise_on_error``, the first server's failure (``ServerHTTPError``,
             ``ServerConnectionError``, ``ServerResponseError`` for a reply of the wrong shape).
+        InputError: with ``raise_on_error``, a result that is not JSON-serialisable (its server is
+            not called and keeps an error entry naming the result).
+        RecordError: the spool folder beside ``output_path`` or the metrics file cannot be written.
     """
-    # Reading (often a file) and writing run in a worker thread so the event loop stays responsive.
-    grouping = await asyncio.to_thread(_group, results, topology)
-    if not grouping.entries:
-        return None
-    servers = sorted(grouping.entries)
-    labels = label_runs({s: grouping.first_agent[s] for s in servers})
-    outcomes = {s: _Outcome() for s in servers}
-    async with asyncio.TaskGroup() as group:
-        for server in servers:
-            body = sorted(grouping.entries.pop(server), key=_sort_key)
-            group.create_task(
-                _call_one(client, server, body, outcomes[server]), name=f"aggregate_metrics[{server}]"
-            )
-    entries = [_entry(s, labels[s], outcomes[s]) for s in servers]
     path = Path(output_path)
-    await asyncio.to_thread(_atomic_write_json, path, [e.to_json() for e in entries])
+    spools = ServerSpools(path.parent)
+    try:
+        # Reading (often a file) and writing run in worker threads so the event loop stays responsive.
+        grouping = await run_joined(lambda stop: group_results(results, topology, spools, stop))
+        if not grouping.counts:
+            return None
+        servers = sorted(grouping.counts)
+        labels = label_runs({s: grouping.first_agent[s] for s in servers})
+        outcomes = {s: _Outcome() for s in servers}
+        async with asyncio.TaskGroup() as group:
+            for server in servers:
+                outcome = outcomes[server]
+                outcome.error = grouping.errors.get(server)
+                if outcome.error is None:
+                    group.create_task(
+                        _call_one(client, server, spools, outcome), name=f"aggregate_metrics[{server}]"
+                    )
+        shapes = [_file_shape(_entry(s, labels[s], outcomes[s])) for s in servers]
+        await run_joined(lambda stop: _atomic_write_json(path, shapes, stop))
+    finally:
+        spools.remove()
     errors = [error for s in servers if (error := outcomes[s].error) is not None]
     if errors and raise_on_error:
         raise errors[0]
@@ -507,11 +412,9 @@ async def aggregate_run(
     )
 
 
-def _atomic_write_json(path: Path, value: Any) -> None:
-    data = (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+def _atomic_write_json(path: Path, value: Any, stop: threading.Event) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, data)
+        write_json_atomic(path, value, stop)
     except OSError as exc:
         raise RecordError(
             f"cannot write the metrics file {path}: {exc}; free space or fix permissions, then run "

@@ -32,13 +32,15 @@ import enum
 import json
 import logging
 import math
+import os
 import random
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import aiohttp
 import aiohttp.connector
@@ -158,6 +160,25 @@ def _parse_retry_after(value: str | None, now_s: float) -> float | None:
             when = when.replace(tzinfo=UTC)
         seconds = when.timestamp() - now_s
     return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+def _json_headers(headers: Mapping[str, str] | None) -> Mapping[str, str]:
+    if headers:
+        return {**{k: v for k, v in headers.items() if k.lower() != "content-type"}, **_JSON_HEADERS}
+    return _JSON_HEADERS
+
+
+def _open_body(path: Path, url: str) -> BinaryIO:
+    # A local open does not wait on the network; aiohttp reads the file in its executor and sends it
+    # with Content-Length (the size of an open regular file is known).
+    try:
+        return path.open("rb")
+    except OSError as exc:
+        raise InputError(
+            f"the request body file {path} for {url} cannot be read ({exc}); write the body file "
+            "before the call and keep it until the call returns",
+            path=str(path),
+        ) from exc
 
 
 def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
@@ -422,11 +443,37 @@ class ServerClient:
                 f"the request body for {server}{path} is not JSON-serialisable ({exc}); pass plain "
                 "dicts/lists/str/int/float/bool/None"
             ) from exc
-        if headers:
-            headers = {**{k: v for k, v in headers.items() if k.lower() != "content-type"}, **_JSON_HEADERS}
-        else:
-            headers = _JSON_HEADERS
-        return await self._request("POST", server, path, data, headers, retry_requests, timeout_s)
+        return await self._request(
+            "POST", server, path, data, _json_headers(headers), retry_requests, timeout_s
+        )
+
+    async def post_json_file(
+        self,
+        server: str,
+        path: str,
+        body_path: str | os.PathLike[str],
+        *,
+        retry_requests: bool | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """POST the bytes of the file ``body_path`` as the JSON body; otherwise exactly :meth:`post_json`.
+
+        For bodies too large to hold in memory (``/aggregate_metrics`` over a whole run). The file is
+        streamed with ``Content-Length`` (an ordinary body, not chunked) and reopened for every attempt, so
+        a replayed request resends the whole file. Its bytes are sent as they are: they must be JSON and
+        must not change until the call returns. ``retry_requests``, ``headers`` and ``timeout_s`` are
+        those of :meth:`post_json`.
+
+        Raises:
+            InputError: ``body_path`` cannot be opened for reading.
+            ServerConnectionError, ServerHTTPError, ServerResponseError, ConfigError, RuntimeError:
+                as :meth:`post_json`.
+        """
+        body = Path(body_path)
+        return await self._request(
+            "POST", server, path, body, _json_headers(headers), retry_requests, timeout_s
+        )
 
     async def get_json(
         self,
@@ -477,7 +524,7 @@ class ServerClient:
         method: str,
         server: str,
         path: str,
-        data: bytes | None,
+        data: bytes | Path | None,
         headers: Mapping[str, str] | None,
         retry_requests: bool | None,
         timeout_s: float | None,
@@ -507,8 +554,14 @@ class ServerClient:
             finally:
                 load.waiting -= 1
             load.running += 1
+            body_file: BinaryIO | None = None
+            sent: bytes | BinaryIO | None
             try:
-                async with session.request(method, url, data=data, headers=headers, timeout=timeout) as resp:
+                if isinstance(data, Path):
+                    sent = body_file = _open_body(data, text)
+                else:
+                    sent = data
+                async with session.request(method, url, data=sent, headers=headers, timeout=timeout) as resp:
                     payload = await resp.read()
                     status = resp.status
                     if status >= 400:
@@ -529,6 +582,8 @@ class ServerClient:
             except aiohttp.ClientError as exc:
                 failure, kind = exc, "broken"
             finally:
+                if body_file is not None:
+                    body_file.close()
                 load.running -= 1
                 slots.release()
 

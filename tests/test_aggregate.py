@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import socket
+import threading
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 
+from gym_ray._internal.aggregate_spool import STOP_CHECK_ROWS
 from gym_ray.aggregate import (
+    AggregateEntry,
+    _file_shape,
     aggregate_metrics,
     aggregate_run,
     completion_rejection,
@@ -26,6 +32,7 @@ from gym_ray.aggregate import (
 from gym_ray.client import ServerClient
 from gym_ray.errors import (
     AggregationError,
+    InputError,
     RunRejectedError,
     ServerHTTPError,
     UsageError,
@@ -355,11 +362,21 @@ class _Recorder:
 
     def __init__(self, reply: Callable[[list[dict[str, Any]]], Any] = compute_aggregate_metrics) -> None:
         self.bodies: list[Any] = []
+        self.raw: list[bytes] = []
+        self.headers: list[dict[str, str]] = []
+        self.entered = asyncio.Event()
+        self.release: asyncio.Event | None = None
         self._reply = reply
 
     async def handle(self, request: web.Request) -> web.Response:
-        body = await request.json()
+        raw = await request.read()
+        self.raw.append(raw)
+        self.headers.append(dict(request.headers))
+        body = json.loads(raw)
         self.bodies.append(body)
+        self.entered.set()
+        if self.release is not None:
+            await self.release.wait()
         return web.json_response(self._reply(body["verify_responses"]))
 
     @contextlib.asynccontextmanager
@@ -644,3 +661,246 @@ async def test_aggregate_run_without_successes_writes_nothing(tmp_path: Path) ->
         "rollouts.jsonl",
         "rollouts_failures.jsonl",
     ]
+
+
+# --- golden metrics file: the bytes must not change when the implementation does -------------------------
+
+
+def _golden_reply(server: str) -> Callable[[list[dict[str, Any]]], Any]:
+    """A deterministic reply that depends on the order of the body, with awkward JSON values."""
+
+    def reply(verify_responses: list[dict[str, Any]]) -> dict[str, Any]:
+        order = [[r["_ng_task_index"], r["_ng_rollout_index"]] for r in verify_responses]
+        tasks = sorted({r["_ng_task_index"] for r in verify_responses})
+        rewards = [r["reward"] for r in verify_responses]
+        body: dict[str, Any] = {
+            "group_level_metrics": [
+                {
+                    "task_index": t,
+                    "mean/reward": sum(r["reward"] for r in verify_responses if r["_ng_task_index"] == t) / 2,
+                    "label": f"tâche {t} ✓",
+                    "none": None,
+                }
+                for t in tasks
+            ],
+            "agent_metrics": {
+                "mean/reward": sum(rewards) / len(rewards),
+                "third": 1 / 3,
+                "tiny": 1e-7,
+                "huge": 1e21,
+                "negative_zero": -0.0,
+                "big_int": 2**70,
+                "nested": {"empty_list": [], "empty_dict": {}, "list": [1, 2.5, "x", None, True]},
+                "order": order,
+            },
+            "key_metrics": {
+                "mean/reward": sum(rewards) / len(rewards),
+                "server": server,
+                "quote": 'a"b\\c\n',
+            },
+            "ignored_extra": {"dropped": True},
+        }
+        if server == "env_x":
+            body["repeat_level_metrics"] = [{"repeat": 0, "score": 0.25}, {"repeat": 1, "score": 0.75}]
+            body["perf_summary"] = None
+        else:
+            body["perf_summary"] = {"p50_ms": 12.5, "unit": "ms"}
+        return body
+
+    return reply
+
+
+def _golden_results() -> list[dict[str, Any]]:
+    """50 results over 2 servers: env_x's arrive sorted, env_y's shuffled (deterministically)."""
+    env_x = [
+        _result(t, r, float((t + r) % 3 == 0), agent="ag1", server="env_x", note=f"ü{t}")
+        for t in range(0, 13)
+        for r in range(2)
+    ]
+    env_y = [
+        _result(t, r, float((t * r) % 2), agent=None, server="env_y", ng_perf={"wall_ms": t * 10 + r})
+        for t in range(13, 25)
+        for r in range(2)
+    ]
+    shuffled = env_y[1::2][::-1] + env_y[0::2]
+    merged: list[dict[str, Any]] = []
+    for i in range(max(len(env_x), len(shuffled))):
+        merged.extend(env_x[i : i + 1])
+        merged.extend(shuffled[i : i + 1])
+    return merged
+
+
+# Captured from the implementation that built the whole file as one string (json.dumps, indent=2).
+_GOLDEN_SHA256 = "e5d1c18d467b47d4b032f521f39d4681e9fbd267b555b32067c1136ab4459e42"
+_GOLDEN_SIZE = 7009
+
+
+async def test_metrics_file_bytes_match_the_golden(tmp_path: Path) -> None:
+    rec_x, rec_y = _Recorder(_golden_reply("env_x")), _Recorder(_golden_reply("env_y"))
+    async with rec_x.serving() as port_x, rec_y.serving() as port_y:
+        cfg = {
+            "ag1": _agent("ag1"),
+            "env_x": {
+                "environment_servers": {
+                    "recorder": {"host": _HOST, "port": port_x, "agent_server": _ref("ag1")}
+                }
+            },
+            "env_y": {"environment_servers": {"recorder": {"host": _HOST, "port": port_y}}},
+        }
+        topology = Topology.from_config(cfg)
+        async with ServerClient(topology, connect_retries=0, max_request_retries=0) as client:
+            path = await aggregate_metrics(
+                iter(_golden_results()), topology, client, output_path=tmp_path / "m.json"
+            )
+    assert path is not None
+    data = path.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == _GOLDEN_SHA256
+    assert len(data) == _GOLDEN_SIZE
+    assert os.listdir(tmp_path) == ["m.json"]  # the spool folder is gone
+
+
+async def test_request_bodies_are_the_bytes_post_json_would_send(tmp_path: Path) -> None:
+    # env_x's results arrive sorted (streamed from the spool), env_y's shuffled (sorted in memory).
+    rec_x, rec_y = _Recorder(_golden_reply("env_x")), _Recorder(_golden_reply("env_y"))
+    results = _golden_results()
+    async with rec_x.serving() as port_x, rec_y.serving() as port_y:
+        cfg = {
+            "ag1": _agent("ag1"),
+            "env_x": {
+                "environment_servers": {
+                    "recorder": {"host": _HOST, "port": port_x, "agent_server": _ref("ag1")}
+                }
+            },
+            "env_y": {"environment_servers": {"recorder": {"host": _HOST, "port": port_y}}},
+        }
+        topology = Topology.from_config(cfg)
+        async with ServerClient(topology, connect_retries=0, max_request_retries=0) as client:
+            await aggregate_metrics(iter(results), topology, client, output_path=tmp_path / "m.json")
+    for recorder, server in ((rec_x, "env_x"), (rec_y, "env_y")):
+        expected = {
+            "verify_responses": _expected_body([r for r in results if r["_ng_environment_server"] == server])
+        }
+        assert len(recorder.raw) == 1
+        assert recorder.raw[0] == json.dumps(expected, separators=(",", ":")).encode()
+        assert recorder.bodies == [expected]
+        assert recorder.headers[0]["Content-Length"] == str(len(recorder.raw[0]))
+        assert recorder.headers[0]["Content-Type"] == "application/json"
+        assert "Transfer-Encoding" not in recorder.headers[0]
+    assert [r["_ng_task_index"] for r in rec_y.bodies[0]["verify_responses"]][:4] == [13, 13, 14, 14]
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        pytest.param(
+            AggregateEntry(
+                agent_ref={"name": "ag"},
+                environment_server="env",
+                agent_metrics={"a": None, "b": [1, None]},
+                key_metrics={"k": 1.5},
+                group_level_metrics=[{"g": 1}],
+                repeat_level_metrics=[{"r": 2}],
+                perf_summary={"p": None},
+            ),
+            id="every-field",
+        ),
+        pytest.param(
+            AggregateEntry(agent_ref={"name": "ag"}, environment_server="env", key_metrics={"k": 1}),
+            id="optional-fields-absent",
+        ),
+        pytest.param(
+            AggregateEntry(agent_ref={"name": "env"}, environment_server="env", aggregation_error="X: y"),
+            id="error-entry",
+        ),
+    ],
+)
+def test_file_shape_is_to_json_without_copies(entry: AggregateEntry) -> None:
+    shape = _file_shape(entry)
+    assert shape == entry.to_json()
+    assert list(shape) == list(entry.to_json())
+    assert shape["key_metrics"] is entry.key_metrics  # shared, not copied
+
+
+async def test_unserialisable_result_fails_only_its_server(tmp_path: Path) -> None:
+    rec_x, rec_y = _Recorder(), _Recorder()
+    results = [
+        _result(0, 0, 1.0, agent="ag1", server="env_x"),
+        _result(1, 0, 0.0, agent=None, server="env_y"),
+        _result(2, 0, 1.0, agent=None, server="env_y", extra={1, 2}),
+        _result(3, 0, 1.0, agent=None, server="env_y"),
+    ]
+    async with rec_x.serving() as port_x, rec_y.serving() as port_y:
+        cfg = {
+            "ag1": _agent("ag1"),
+            "env_x": {
+                "environment_servers": {
+                    "recorder": {"host": _HOST, "port": port_x, "agent_server": _ref("ag1")}
+                }
+            },
+            "env_y": {"environment_servers": {"recorder": {"host": _HOST, "port": port_y}}},
+        }
+        topology = Topology.from_config(cfg)
+        async with ServerClient(topology, connect_retries=0, max_request_retries=0) as client:
+            with pytest.raises(InputError) as info:
+                await aggregate_metrics(results, topology, client, output_path=tmp_path / "m.json")
+    message = (
+        "result #2 (task 2, rollout 0) cannot be sent to /aggregate_metrics of 'env_y': it is not "
+        "JSON-serialisable (Object of type set is not JSON serializable); results must hold plain "
+        "dicts/lists/str/int/float/bool/None"
+    )
+    assert str(info.value) == message
+    assert info.value.row == 2
+    assert (len(rec_x.bodies), len(rec_y.bodies)) == (1, 0)
+    written = json.loads((tmp_path / "m.json").read_text(encoding="utf-8"))
+    assert [e.get("aggregation_error") for e in written] == [None, f"InputError: {message}"]
+    assert os.listdir(tmp_path) == ["m.json"]
+
+
+async def test_cancel_during_the_request_removes_the_spool_folder(tmp_path: Path) -> None:
+    recorder = _Recorder()
+    recorder.release = asyncio.Event()
+    output = tmp_path / "out" / "m.json"
+    async with recorder.serving() as port:
+        cfg = {"env_rec": {"environment_servers": {"recorder": {"host": _HOST, "port": port}}}}
+        topology = Topology.from_config(cfg)
+        async with ServerClient(topology, connect_retries=0, max_request_retries=0) as client:
+            rows = [_result(t, 0, 1.0, agent=None, server="env_rec") for t in range(3)]
+            task = asyncio.create_task(aggregate_metrics(rows, topology, client, output_path=output))
+            await recorder.entered.wait()
+            [spool_folder] = os.listdir(output.parent)
+            assert spool_folder.startswith(".aggregate-")
+            assert os.listdir(output.parent / spool_folder) == ["1-body.json"]
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            recorder.release.set()
+    assert os.listdir(output.parent) == []
+
+
+async def test_cancel_while_grouping_stops_and_joins_the_reading_thread(tmp_path: Path) -> None:
+    paused, resume = threading.Event(), threading.Event()
+    consumed: list[int] = []
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for t in range(3 * STOP_CHECK_ROWS):
+            consumed.append(t)
+            if t == 10:
+                paused.set()
+                resume.wait()
+            yield _result(t, 0, 1.0, agent=None, server="env_a")
+
+    async with _deployment(_base_config()) as (deployment, topology, client):
+        task = asyncio.create_task(
+            aggregate_metrics(rows(), topology, client, output_path=tmp_path / "m.json")
+        )
+        await asyncio.to_thread(paused.wait)
+        task.cancel()
+        for _ in range(3):
+            await asyncio.sleep(0)  # the task handles its cancellation: it asks the thread to stop
+        resume.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Joined: the thread had stopped at its next check before the cancellation propagated.
+        assert len(consumed) == STOP_CHECK_ROWS + 1
+        assert deployment.stats("env_a").aggregate_calls == 0
+    assert os.listdir(tmp_path) == []

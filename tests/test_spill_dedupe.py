@@ -63,7 +63,9 @@ def test_the_temporary_folder_holds_sorted_runs_until_closed(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("second", "match"),
     [
-        pytest.param([1, 2, 3], r"changed between the validation pass .*\(more than 2 rows to number\)", id="longer"),
+        pytest.param(
+            [1, 2, 3], r"changed between the validation pass .*\(more than 2 rows to number\)", id="longer"
+        ),
         pytest.param([1], r"\(1 rows numbered, 2 validated\)", id="shorter"),
         pytest.param([1, 4], r"\(the rows' contents differ\)", id="different"),
     ],
@@ -73,10 +75,14 @@ def test_a_second_pass_that_differs_is_refused(tmp_path: Path, second: list[int]
         dedupe.add(1)
         dedupe.add(2)
         replay = dedupe.replay()
-        with pytest.raises(InputError, match=match):
+
+        def second_pass() -> None:
             for key in second:
                 replay.add(key)
             replay.finish()
+
+        with pytest.raises(InputError, match=match):
+            second_pass()
 
 
 CONFIG: dict[str, Any] = {
@@ -98,7 +104,8 @@ def _planned_identities(run_dir: Path, shards: list[str]) -> list[tuple[int, int
     for shard in shards:
         for line in shard_paths(run_dir, shard).materialized_inputs.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
-            out.append((row[keys.TASK_INDEX], row[keys.ROLLOUT_INDEX], row["responses_create_params"]["input"]))
+            question = row["responses_create_params"]["input"]
+            out.append((row[keys.TASK_INDEX], row[keys.ROLLOUT_INDEX], question))
     return out
 
 
