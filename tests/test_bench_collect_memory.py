@@ -12,6 +12,7 @@ from gym_ray.errors import UsageError
 
 RUN_KEYS = {
     "rows",
+    "stage",
     "planned",
     "succeeded",
     "failed",
@@ -44,7 +45,19 @@ def test_bench_collects_every_row_in_a_fresh_process() -> None:
         (200, 200, 200, 0),
         (400, 400, 400, 0),
     ]
-    assert all(set(r) == RUN_KEYS for r in result["runs"])
+    assert all(set(r) == RUN_KEYS and r["stage"] == "collect" for r in result["runs"])
+
+
+def test_plan_stage_plans_every_row_and_calls_no_server() -> None:
+    result = run_collect_memory_bench((150,), stage="plan")
+    assert [(r["stage"], r["rows"], r["planned"], r["succeeded"], r["failed"]) for r in result["runs"]] == [
+        ("plan", 150, 150, 0, 0)
+    ]
+
+
+def test_an_unknown_stage_is_refused() -> None:
+    with pytest.raises(UsageError, match="stage='merge': give 'collect'"):
+        run_collect_memory_bench((5,), stage="merge")
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,17 @@ import argparse
 import json
 from typing import Any
 
-SCENARIOS = ("dispatch", "record", "ray", "tracing", "memory", "latency", "merge", "collect-memory")
+SCENARIOS = (
+    "dispatch",
+    "record",
+    "ray",
+    "tracing",
+    "memory",
+    "latency",
+    "merge",
+    "collect-memory",
+    "plan-memory",
+)
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -64,10 +74,11 @@ def bench_main(args: argparse.Namespace) -> int:
         from gym_ray.bench.memory import run_memory_bench
 
         result = run_memory_bench(args.sizes, args.concurrency)
-    elif args.scenario == "collect-memory":
+    elif args.scenario in ("collect-memory", "plan-memory"):
         from gym_ray.bench.collect_memory import run_collect_memory_bench
 
-        result = run_collect_memory_bench(args.sizes, args.concurrency)
+        stage = "plan" if args.scenario == "plan-memory" else "collect"
+        result = run_collect_memory_bench(args.sizes, args.concurrency, stage=stage)
     elif args.scenario == "merge":
         from gym_ray.bench.merge_bench import run_merge_bench
 

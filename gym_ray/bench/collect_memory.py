@@ -17,6 +17,10 @@ allocation sites by ``file:line``, both still held at the end and at the traced 
 snapshots whenever traced memory has grown by 5 %), to find what grows. Tracing slows the run severalfold
 and adds its own memory to the RSS figures.
 
+With ``stage="plan"`` (``gym-ray bench plan-memory``) the child only validates and plans the run folder
+(:func:`gym_ray.plan.iter_prepare_run`: both passes over the input, shards written), no servers called:
+the figure for the planning stage alone.
+
 Each size's run folder and input file live in a temporary folder that is deleted after that size.
 
 Run: ``python -m gym_ray.bench.collect_memory [--trace-top K] [size ...]`` or
@@ -127,10 +131,13 @@ def _child(
     output_dir: str,
     max_resident_tasks: int,
     trace_top: int,
+    stage: str = "collect",
 ) -> None:
-    """Body of one measurement process: import, note the baseline peak, collect, report."""
+    """Body of one measurement process: import, note the baseline peak, collect (or only plan), report."""
     try:
         from gym_ray.collect import acollect_local  # imported before the baseline so it counts as baseline
+        from gym_ray.plan import iter_prepare_run
+        from gym_ray.topology import Topology
 
         baseline_mb = _peak_rss_mb()
         sampler = _PeakSampler() if trace_top > 0 else None
@@ -139,30 +146,38 @@ def _child(
             sampler.start()
         try:
             started, cpu_started = time.perf_counter(), time.process_time()
-            result = asyncio.run(
-                acollect_local(
-                    config,
-                    progress=False,
-                    input_jsonl_fpath=input_path,
-                    output_dir=output_dir,
-                    num_repeats=1,
-                    max_resident_tasks=max_resident_tasks,
+            if stage == "plan":
+                cfg = {**config, "input_jsonl_fpath": input_path, "output_dir": output_dir, "num_repeats": 1}
+                planned = sum(spec.num_rows for spec in iter_prepare_run(cfg, Topology.from_config(cfg)))
+                succeeded = failed = 0
+            else:
+                result = asyncio.run(
+                    acollect_local(
+                        config,
+                        progress=False,
+                        input_jsonl_fpath=input_path,
+                        output_dir=output_dir,
+                        num_repeats=1,
+                        max_resident_tasks=max_resident_tasks,
+                    )
                 )
-            )
+                planned, succeeded, failed = result.planned, result.succeeded, result.failed
             wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         finally:
             if sampler is not None:
                 sampler.stop()
+        done = planned if stage == "plan" else succeeded
         report: dict[str, Any] = {
-            "planned": result.planned,
-            "succeeded": result.succeeded,
-            "failed": result.failed,
+            "stage": stage,
+            "planned": planned,
+            "succeeded": succeeded,
+            "failed": failed,
             "baseline_rss_mb": baseline_mb,
             "peak_rss_mb": _peak_rss_mb(),
             "children_peak_rss_mb": _peak_rss_mb(resource.RUSAGE_CHILDREN),
             "wall_s": wall_s,
-            "rollouts_per_s": result.succeeded / wall_s if wall_s > 0 else 0.0,
-            "cpu_us_per_rollout": cpu_s / result.succeeded * 1e6 if result.succeeded else 0.0,
+            "rollouts_per_s": done / wall_s if wall_s > 0 else 0.0,
+            "cpu_us_per_rollout": cpu_s / done * 1e6 if done else 0.0,
         }
         if sampler is not None:
             _current, traced_peak = tracemalloc.get_traced_memory()
@@ -178,20 +193,20 @@ def _child(
 
 
 def _measure_one(
-    config: dict[str, Any], n: int, max_resident_tasks: int, trace_top: int, work_dir: Path
+    config: dict[str, Any], n: int, max_resident_tasks: int, trace_top: int, work_dir: Path, stage: str
 ) -> dict[str, Any]:
     input_path = work_dir / "input.jsonl"
     output_dir = work_dir / "run"
     write_input(input_path, n)
     report = run_in_child(
         _child,
-        (config, str(input_path), str(output_dir), max_resident_tasks, trace_top),
-        what=f"collect-memory bench child for {n} rows",
+        (config, str(input_path), str(output_dir), max_resident_tasks, trace_top, stage),
+        what=f"{stage}-memory bench child for {n} rows",
         daemon=False,  # the merge step may start its own process pool, which a daemon cannot
     )
-    if report["succeeded"] != n:
+    if report["planned"] != n or (stage == "collect" and report["succeeded"] != n):
         raise RuntimeError(
-            f"collect-memory bench child for {n} rows: {report['succeeded']} succeeded, "
+            f"{stage}-memory bench child for {n} rows: {report['succeeded']} succeeded, "
             f"{report['failed']} failed, {report['planned']} planned"
         )
     return {"rows": n, **report}
@@ -202,6 +217,7 @@ def run_collect_memory_bench(
     max_resident_tasks: int = 256,
     *,
     trace_top: int = 0,
+    stage: str = "collect",
 ) -> dict[str, Any]:
     """Measure a single-process collection's peak RSS for several input sizes, each in a fresh process.
 
@@ -224,6 +240,8 @@ def run_collect_memory_bench(
     """
     if not sizes or min(sizes) < 1:
         raise UsageError(f"sizes={list(sizes)!r}: give one or more row counts, each >= 1")
+    if stage not in ("collect", "plan"):
+        raise UsageError(f"stage={stage!r}: give 'collect' (the whole run) or 'plan' (planning only)")
     if trace_top < 0:
         raise UsageError(f"trace_top={trace_top!r}: give 0 (no tracing) or a count of sites >= 1")
     runs: list[dict[str, Any]] = []
@@ -231,12 +249,12 @@ def run_collect_memory_bench(
         for n in sizes:
             work_dir = Path(tempfile.mkdtemp(prefix=f"gym_ray_collect_memory_{n}_"))
             try:
-                run = _measure_one(config, n, max_resident_tasks, trace_top, work_dir)
+                run = _measure_one(config, n, max_resident_tasks, trace_top, work_dir, stage)
             finally:
                 shutil.rmtree(work_dir, ignore_errors=True)
             runs.append(run)
             print(
-                f"collect-memory bench: rows={n} peak_rss={run['peak_rss_mb']:.1f} MB "
+                f"{stage}-memory bench: rows={n} peak_rss={run['peak_rss_mb']:.1f} MB "
                 f"(baseline {run['baseline_rss_mb']:.1f} MB) wall={run['wall_s']:.1f} s "
                 f"{run['rollouts_per_s']:.0f} rollouts/s {run['cpu_us_per_rollout']:.0f} us CPU/rollout",
                 flush=True,
@@ -249,7 +267,7 @@ def run_collect_memory_bench(
         "max_peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
     }
     print(
-        f"collect-memory bench: peak ratio {result['peak_ratio']:.3f} "
+        f"{stage}-memory bench: peak ratio {result['peak_ratio']:.3f} "
         f"(rows {by_size[-1]['rows']} / {by_size[0]['rows']}), max peak {result['max_peak_rss_mb']:.1f} MB",
         flush=True,
     )
