@@ -19,9 +19,13 @@ when ``aggregate_metrics`` returns, raises or is cancelled (``gym_ray._internal.
 Each server's body ``{"verify_responses": [...]}`` is assembled from its spool into a file, streamed
 when its results arrived sorted by (task, rollout) (the merged file is), else sorted in memory: that
 server's stripped lines only, the one case where memory grows with the results. The body file is sent
-with ``ServerClient.post_json_file``. On the reply side each reply is held once: validated once into
-``AggregateMetricsReply``, its collections shared (not copied) by the ``AggregateEntry`` and written
-to the file in chunks; its size follows the protocol (``group_level_metrics`` has one entry per task).
+with ``ServerClient.post_json_file``. The reply side does not grow with the number of tasks either: each
+reply is streamed to a file in the spool folder (``post_json_file(..., reply_path=...)``) and read back
+with ``gym_ray._internal.json_stream``: the small members (``agent_metrics``, ``key_metrics``,
+``perf_summary``) are validated as ``AggregateMetricsReply``, while each element of
+``group_level_metrics`` / ``repeat_level_metrics`` (one per task) is encoded as the metrics file holds it
+and appended to a fragment file, one element in memory at a time. The metrics file is then written entry
+by entry, the fragments copied in chunks (the bytes ``json.dumps(entries, indent=2)`` would give).
 Durability: the metrics file is replaced atomically (temp file, fsync, rename, fsync of the folder).
 Concurrency: one task per server in an ``asyncio.TaskGroup``; each task records its own outcome;
 cancellation cancels every request, waits for the worker thread in use (it stops at its next row),
@@ -45,10 +49,12 @@ import pydantic
 
 from gym_ray import keys
 from gym_ray._internal.aggregate_spool import (
+    Fragment,
+    ReplyParts,
     ServerSpools,
     group_results,
     run_joined,
-    write_json_atomic,
+    write_metrics_atomic,
 )
 from gym_ray._internal.aggregate_spool import strip_for_aggregation as strip_for_aggregation
 from gym_ray._internal.jsonl import JsonlReader
@@ -83,6 +89,7 @@ __all__ = [
 AGGREGATE_FILE_NAME = "rollouts_aggregate_metrics.json"
 _MERGED_FILE_NAME = "rollouts.jsonl"
 _AGGREGATE_PATH = "/aggregate_metrics"
+_STRICT = json.JSONEncoder(allow_nan=False)
 
 
 class AggregateMetricsReply(pydantic.BaseModel):
@@ -169,26 +176,46 @@ def label_runs(agents_by_server: Mapping[str, str | None]) -> dict[str, str]:
 # --- the calls ----------------------------------------------------------------------------------------
 
 
-def _validate_reply(server: str, reply: Any) -> AggregateMetricsReply:
+_SHAPE_HINT = (
+    "the server must answer group_level_metrics (list), agent_metrics (object) and key_metrics (object)"
+)
+
+
+def _what(server: str) -> str:
+    return f"/aggregate_metrics on {server!r} answered a body"
+
+
+def _validate_reply(server: str, parts: ReplyParts) -> AggregateMetricsReply:
+    """Validate the small members; the streamed lists stand in as empty lists (their elements are objects)."""
+    reply: dict[str, Any] = dict(parts.members)
+    for key in parts.fragments:
+        reply[key] = []
     try:
-        return AggregateMetricsReply.model_validate(reply)
+        validated = AggregateMetricsReply.model_validate(reply)
     except pydantic.ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or '<body>'}: {err['msg']}" for err in exc.errors()
         )
         raise ServerResponseError(
-            f"/aggregate_metrics on {server!r} answered a body that is not AggregateMetrics "
-            f"({problems}); the server must answer group_level_metrics (list), agent_metrics (object) "
-            "and key_metrics (object)",
-            body_excerpt=json.dumps(reply, default=str)[:2000],
+            f"{_what(server)} that is not AggregateMetrics ({problems}); {_SHAPE_HINT}",
+            body_excerpt=parts.excerpt,
         ) from exc
+    try:
+        _STRICT.encode(validated.model_dump(exclude={"group_level_metrics", "repeat_level_metrics"}))
+    except ValueError as exc:
+        raise ServerResponseError(
+            f"{_what(server)} that is not strict JSON ({exc}); the server must answer finite numbers",
+            body_excerpt=parts.excerpt,
+        ) from exc
+    return validated
 
 
 class _Outcome:
-    __slots__ = ("error", "reply")
+    __slots__ = ("error", "fragments", "reply")
 
     def __init__(self) -> None:
         self.reply: AggregateMetricsReply | None = None
+        self.fragments: dict[str, Fragment] = {}
         self.error: Exception | None = None
 
 
@@ -197,7 +224,15 @@ async def _call_one(client: ServerClient, server: str, spools: ServerSpools, out
     # TaskGroup cancel the others. CancelledError is a BaseException and propagates.
     try:
         body = await run_joined(lambda stop: spools.write_body(server, stop))
-        outcome.reply = _validate_reply(server, await client.post_json_file(server, _AGGREGATE_PATH, body))
+        reply_path = spools.reply_path(server)
+        await client.post_json_file(server, _AGGREGATE_PATH, body, reply_path=reply_path)
+        parts = await run_joined(
+            lambda stop: spools.read_reply(
+                server, stop, keep=AggregateMetricsReply.model_fields, what=_what(server), hint=_SHAPE_HINT
+            )
+        )
+        outcome.reply = _validate_reply(server, parts)
+        outcome.fragments = parts.fragments
     except Exception as exc:
         outcome.error = exc
 
@@ -209,7 +244,8 @@ def _entry(server: str, label: str, outcome: _Outcome) -> AggregateEntry:
         text = f"{type(error).__name__}: {error}" if error is not None else "InternalError: no reply"
         return AggregateEntry(agent_ref=agent_ref, environment_server=server, aggregation_error=text)
     reply = outcome.reply
-    # The reply was validated once (AggregateMetricsReply); the entry shares its collections.
+    # The reply was validated once (AggregateMetricsReply); the entry shares its collections. Its
+    # streamed lists are empty stand-ins here: their elements are in the outcome's fragments.
     return AggregateEntry.model_construct(
         agent_ref=agent_ref,
         environment_server=server,
@@ -229,6 +265,12 @@ def _file_shape(entry: AggregateEntry) -> dict[str, Any]:
         if value is not None:
             shape[field.serialization_alias or name] = value
     return shape
+
+
+def _file_entry(server: str, label: str, outcome: _Outcome) -> dict[str, Any]:
+    """The entry as the file holds it; a streamed list is its ``Fragment`` (same key, same place)."""
+    # The streamed keys have no alias; each is present (an empty stand-in) when it has a fragment.
+    return {**_file_shape(_entry(server, label, outcome)), **outcome.fragments}
 
 
 async def aggregate_metrics(
@@ -296,7 +338,7 @@ async def aggregate_metrics(
                     group.create_task(
                         _call_one(client, server, spools, outcome), name=f"aggregate_metrics[{server}]"
                     )
-        shapes = [_file_shape(_entry(s, labels[s], outcomes[s])) for s in servers]
+        shapes = [_file_entry(s, labels[s], outcomes[s]) for s in servers]
         await run_joined(lambda stop: _atomic_write_json(path, shapes, stop))
     finally:
         spools.remove()
@@ -412,9 +454,9 @@ async def aggregate_run(
     )
 
 
-def _atomic_write_json(path: Path, value: Any, stop: threading.Event) -> None:
+def _atomic_write_json(path: Path, entries: list[dict[str, Any]], stop: threading.Event) -> None:
     try:
-        write_json_atomic(path, value, stop)
+        write_metrics_atomic(path, entries, stop)
     except OSError as exc:
         raise RecordError(
             f"cannot write the metrics file {path}: {exc}; free space or fix permissions, then run "

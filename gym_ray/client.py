@@ -51,6 +51,7 @@ from gym_ray._internal.http_errors import CONNECT_ERRORS, connection_error, exce
 from gym_ray.errors import (
     ConfigError,
     InputError,
+    RecordError,
     ServerHTTPError,
     ServerResponseError,
 )
@@ -179,6 +180,35 @@ def _open_body(path: Path, url: str) -> BinaryIO:
             "before the call and keep it until the call returns",
             path=str(path),
         ) from exc
+
+
+_REPLY_CHUNK_BYTES = 1 << 16
+
+
+async def _save_reply(resp: aiohttp.ClientResponse, reply_path: Path, url: str) -> None:
+    # Local writes of 64 KiB land in the page cache; they do not wait on the network. Only the file
+    # operations are wrapped: aiohttp's ClientOSError is an OSError too and must stay a network failure.
+    def failed(exc: OSError) -> RecordError:
+        return RecordError(
+            f"cannot write the reply of {url} to {reply_path} ({exc}); free space or fix permissions there "
+            "and call again"
+        )
+
+    try:
+        handle = reply_path.open("wb")
+    except OSError as exc:
+        raise failed(exc) from exc
+    try:
+        async for chunk in resp.content.iter_chunked(_REPLY_CHUNK_BYTES):
+            try:
+                handle.write(chunk)
+            except OSError as exc:
+                raise failed(exc) from exc
+    finally:
+        try:
+            handle.close()
+        except OSError as exc:
+            raise failed(exc) from exc
 
 
 def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
@@ -456,6 +486,7 @@ class ServerClient:
         retry_requests: bool | None = None,
         headers: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
+        reply_path: str | os.PathLike[str] | None = None,
     ) -> Any:
         """POST the bytes of the file ``body_path`` as the JSON body; otherwise exactly :meth:`post_json`.
 
@@ -465,14 +496,31 @@ class ServerClient:
         must not change until the call returns. ``retry_requests``, ``headers`` and ``timeout_s`` are
         those of :meth:`post_json`.
 
+        With ``reply_path``, a 2xx reply body is not read into memory: it is written to that file (created
+        or truncated) in chunks of 64 KiB as it arrives, unchecked (parsing it is the caller's job, e.g.
+        with ``gym_ray._internal.json_stream``), and the call returns ``None``. Every attempt rewrites the
+        file from its start. Error statuses behave as without ``reply_path`` (their small body is read
+        for the excerpt; the file is not written).
+
+        Returns:
+            The parsed reply, or ``None`` when ``reply_path`` is given.
+
         Raises:
             InputError: ``body_path`` cannot be opened for reading.
+            RecordError: ``reply_path`` cannot be written.
             ServerConnectionError, ServerHTTPError, ServerResponseError, ConfigError, RuntimeError:
                 as :meth:`post_json`.
         """
         body = Path(body_path)
         return await self._request(
-            "POST", server, path, body, _json_headers(headers), retry_requests, timeout_s
+            "POST",
+            server,
+            path,
+            body,
+            _json_headers(headers),
+            retry_requests,
+            timeout_s,
+            reply_path=None if reply_path is None else Path(reply_path),
         )
 
     async def get_json(
@@ -528,6 +576,8 @@ class ServerClient:
         headers: Mapping[str, str] | None,
         retry_requests: bool | None,
         timeout_s: float | None,
+        *,
+        reply_path: Path | None = None,
     ) -> Any:
         st = self._loop_state()
         text, url = self._url(server, path)
@@ -562,8 +612,11 @@ class ServerClient:
                 else:
                     sent = data
                 async with session.request(method, url, data=sent, headers=headers, timeout=timeout) as resp:
-                    payload = await resp.read()
                     status = resp.status
+                    if reply_path is not None and 200 <= status < 300:
+                        await _save_reply(resp, reply_path, text)
+                    else:
+                        payload = await resp.read()
                     if status >= 400:
                         retry_after_raw = resp.headers.get("Retry-After")
             except CONNECT_ERRORS as exc:
@@ -588,6 +641,8 @@ class ServerClient:
                 slots.release()
 
             if failure is None and 200 <= status < 300:
+                if reply_path is not None:
+                    return None
                 try:
                     return json.loads(payload)
                 except ValueError as exc:

@@ -11,12 +11,19 @@ order be sorted without parsing the JSON. ``write_body`` turns a spool into the 
 ordered spool is streamed line by line; an unordered one is sorted in memory (that server's lines only;
 the sort is stable, so equal keys keep their arrival order).
 
+The reply side: ``ServerSpools.reply_path`` names the file a server's reply is streamed to;
+``read_reply`` reads it with ``json_stream.iter_object``: the small members are kept, and each element of
+``group_level_metrics`` / ``repeat_level_metrics`` is encoded at once as the metrics file will hold it
+(indent 2, shifted to its nesting level) and appended to a per-server fragment file, so memory does not
+grow with the number of tasks. ``write_metrics_atomic`` writes the metrics file entry by entry, copying
+the fragments in chunks: the bytes of ``write_json_atomic`` for the same entries.
+
 ``write_json_atomic`` writes ``json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\\n"``
 byte for byte, in chunks, through ``atomic_writer`` (temp file, fsync, rename, fsync of the folder).
 
 Concurrency: one ``ServerSpools`` is filled (``add``, ``finish``) from one thread; afterwards
 ``write_body`` may run for several servers at once in several threads (each touches only its own
-server's files). ``run_joined`` runs blocking work
+server's files), and so may ``read_reply``. ``run_joined`` runs blocking work
 in a worker thread and, when the awaiting task is cancelled, asks the work to stop (a
 ``threading.Event`` the work checks between rows or chunks) and waits for the thread before the
 cancellation propagates, so nothing writes into the spool folder after its owner has moved on.
@@ -31,26 +38,39 @@ import logging
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from gym_ray import keys
 from gym_ray._internal.atomic import atomic_writer
-from gym_ray.errors import GymRayError, InputError, InternalError, RecordError, ValidationError
+from gym_ray._internal.json_stream import EXCERPT_BYTES, StreamedList, iter_object
+from gym_ray.errors import (
+    GymRayError,
+    InputError,
+    InternalError,
+    RecordError,
+    ServerResponseError,
+    ValidationError,
+)
 
 if TYPE_CHECKING:
     from gym_ray.topology import Topology
 
 __all__ = [
     "STOP_CHECK_ROWS",
+    "STREAMED_REPLY_KEYS",
+    "Fragment",
     "Grouping",
+    "ReplyParts",
     "ServerSpools",
     "Stopped",
     "group_results",
     "run_joined",
     "strip_for_aggregation",
     "write_json_atomic",
+    "write_metrics_atomic",
 ]
 
 logger = logging.getLogger("gym_ray.aggregate")
@@ -61,6 +81,14 @@ _COMPACT = json.JSONEncoder(separators=(",", ":"))
 _BUFFER_BYTES = 1 << 20
 _BODY_HEAD = b'{"verify_responses":['
 _BODY_TAIL = b"]}"
+#: Reply members streamed element by element (one element per task or repeat: they grow with the run).
+STREAMED_REPLY_KEYS = ("group_level_metrics", "repeat_level_metrics")
+#: Reply bytes decoded at a time: the reader's buffer is a few times this, whatever the reply's size.
+_REPLY_CHUNK_BYTES = 1 << 18
+#: Nesting of the streamed lists' elements in the metrics file (list > entry > member > element).
+_ELEMENT_INDENT = " " * 6
+_MEMBER_INDENT = " " * 4
+_INDENTED = json.JSONEncoder(indent=2, ensure_ascii=False, allow_nan=False)
 #: Work run through ``run_joined`` looks at its ``stop`` event once every this many rows.
 STOP_CHECK_ROWS = 1024
 
@@ -258,6 +286,50 @@ class _Spool:
         self.in_order = True
 
 
+@dataclass(frozen=True)
+class Fragment:
+    """A streamed list of a reply, its elements encoded as the metrics file holds them, in a file."""
+
+    path: Path
+    count: int
+
+
+@dataclass
+class ReplyParts:
+    """A reply read by ``ServerSpools.read_reply``: its small members, its streamed lists, an excerpt."""
+
+    members: dict[str, Any] = field(default_factory=dict)
+    fragments: dict[str, Fragment] = field(default_factory=dict)
+    excerpt: str = ""
+
+
+class _FragmentWriter:
+    """Callback of ``iter_object``: encodes each element (indent 2, shifted) and appends it to a file."""
+
+    def __init__(self, key: str, path: Path, stop: threading.Event, what: str, hint: str) -> None:
+        self.key, self.path, self.stop, self.what, self.hint = key, path, stop, what, hint
+        self.handle: BinaryIO | None = None
+        self.count = 0
+        self.done = False
+
+    def __call__(self, element: dict[str, Any]) -> None:
+        if self.count % STOP_CHECK_ROWS == 0 and self.stop.is_set():
+            raise Stopped
+        if self.done:
+            raise ServerResponseError(f"{self.what} that names {self.key!r} twice; {self.hint}")
+        try:
+            text = _INDENTED.encode(element).replace("\n", "\n" + _ELEMENT_INDENT).encode("utf-8")
+        except ValueError as exc:  # NaN/infinity, or a lone surrogate that UTF-8 cannot encode
+            raise ServerResponseError(
+                f"{self.what} whose {self.key}[{self.count}] is not strict JSON ({exc}); {self.hint}"
+            ) from exc
+        if self.handle is None:
+            self.handle = self.path.open("wb", buffering=_BUFFER_BYTES)
+        self.handle.write(b",\n" + _ELEMENT_INDENT.encode() if self.count else _ELEMENT_INDENT.encode())
+        self.handle.write(text)
+        self.count += 1
+
+
 class ServerSpools:
     """Per-server spool files of compact JSON lines in a private folder beside the metrics file.
 
@@ -358,6 +430,71 @@ class ServerSpools:
             raise self._error("read or write", exc) from exc
         return body
 
+    def reply_path(self, server: str) -> Path:
+        """The file ``server``'s reply is to be streamed to (inside the spool folder)."""
+        body = self._spools[server].body
+        return body.with_name(body.name.replace("-body.json", "-reply.json"))
+
+    def read_reply(
+        self, server: str, stop: threading.Event, *, keep: Collection[str], what: str, hint: str
+    ) -> ReplyParts:
+        """Read ``server``'s reply file: stream ``STREAMED_REPLY_KEYS`` into fragments; delete the reply.
+
+        Args:
+            server: the server whose ``reply_path`` holds the reply.
+            stop: set when the caller was cancelled.
+            keep: the members to keep (others are read and dropped). A streamed key whose value is not
+                a list (``null``, an object, ...) is kept as it is, for the caller to validate.
+            what: names the reply in error messages.
+            hint: what to do, appended to error messages.
+
+        Returns:
+            The kept members (a repeated key: the last value, as ``json.loads``), the fragments of the
+            streamed lists present, and the first ``EXCERPT_BYTES`` bytes of the reply.
+
+        Raises:
+            ServerResponseError: the reply is not one JSON object, an element of a streamed list is not
+                an object or holds NaN/infinity, or a streamed key appears twice.
+            Stopped: ``stop`` was set.
+            RecordError: the reply cannot be read or a fragment cannot be written.
+        """
+        reply = self.reply_path(server)
+        prefix = reply.name.removesuffix("-reply.json")
+        writers = {
+            key: _FragmentWriter(key, reply.with_name(f"{prefix}-{key}.part"), stop, what, hint)
+            for key in STREAMED_REPLY_KEYS
+        }
+        parts = ReplyParts()
+        try:
+            with reply.open("rb") as handle:
+                parts.excerpt = handle.read(EXCERPT_BYTES).decode("utf-8", errors="replace")
+            try:
+                members = iter_object(
+                    reply, streamed=writers, what=what, hint=hint, chunk_bytes=_REPLY_CHUNK_BYTES
+                )
+                for key, value in members:
+                    writer = writers.get(key)
+                    if writer is not None:
+                        if writer.done:
+                            raise ServerResponseError(f"{what} that names {key!r} twice; {hint}")
+                        writer.done = True
+                        if isinstance(value, StreamedList):
+                            parts.fragments[key] = Fragment(writer.path, value.count)
+                            continue
+                    if key in keep:
+                        parts.members[key] = value
+            except ServerResponseError as exc:
+                exc.body_excerpt = parts.excerpt
+                raise
+            finally:
+                for writer in writers.values():
+                    if writer.handle is not None:
+                        writer.handle.close()
+            reply.unlink()
+        except OSError as exc:
+            raise self._error("read or write", exc) from exc
+        return parts
+
     def remove(self) -> None:
         """Close every spool and delete the folder; a failure is logged, not raised (it is cleanup)."""
         folder, self._folder = self._folder, None
@@ -409,19 +546,74 @@ def write_json_atomic(path: Path, value: Any, stop: threading.Event) -> None:
         ValueError: ``value`` holds NaN/infinity or is not JSON-serialisable.
         Stopped: ``stop`` was set.
     """
-    encoder = json.JSONEncoder(indent=2, ensure_ascii=False, allow_nan=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_writer(path) as handle:
-        pending: list[str] = []
-        size = 0
-        for chunk in encoder.iterencode(value):
-            pending.append(chunk)
-            size += len(chunk)
-            if size >= _BUFFER_BYTES:
-                if stop.is_set():
+        out = _Chunks(handle, stop)
+        for chunk in _INDENTED.iterencode(value):
+            out.write(chunk)
+        out.write("\n")
+        out.flush()
+
+
+class _Chunks:
+    """Text written in encoded chunks of about ``_BUFFER_BYTES``."""
+
+    def __init__(self, handle: BinaryIO, stop: threading.Event) -> None:
+        self.handle, self.stop = handle, stop
+        self.pending: list[str] = []
+        self.size = 0
+
+    def write(self, text: str) -> None:
+        self.pending.append(text)
+        self.size += len(text)
+        if self.size >= _BUFFER_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.stop.is_set():
+            raise Stopped
+        self.handle.write("".join(self.pending).encode("utf-8"))
+        self.pending.clear()
+        self.size = 0
+
+    def copy(self, source: Path) -> None:
+        self.flush()
+        with source.open("rb") as handle:
+            while chunk := handle.read(_BUFFER_BYTES):
+                if self.stop.is_set():
                     raise Stopped
-                handle.write("".join(pending).encode("utf-8"))
-                pending.clear()
-                size = 0
-        pending.append("\n")
-        handle.write("".join(pending).encode("utf-8"))
+                self.handle.write(chunk)
+
+
+def write_metrics_atomic(path: Path, entries: Sequence[Mapping[str, Any]], stop: threading.Event) -> None:
+    """``write_json_atomic(path, entries, stop)`` where a value may be a ``Fragment`` (the list it holds).
+
+    The entries are dicts; their values are JSON values or ``Fragment``s (a list of objects, already
+    encoded at its nesting level by ``read_reply``). The bytes are those ``write_json_atomic`` writes for
+    the same entries with each fragment's list in place; fragments are copied in chunks.
+
+    Raises:
+        OSError: creating, reading a fragment, writing, syncing or renaming failed.
+        ValueError: a value holds NaN/infinity or is not JSON-serialisable.
+        Stopped: ``stop`` was set.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_writer(path) as handle:
+        out = _Chunks(handle, stop)
+        out.write("[" if entries else "[]")
+        for index, entry in enumerate(entries):
+            out.write(",\n  {" if index else "\n  {")
+            for position, (key, value) in enumerate(entry.items()):
+                out.write(",\n" if position else "\n")
+                out.write(f"{_MEMBER_INDENT}{_INDENTED.encode(key)}: ")
+                if not isinstance(value, Fragment):
+                    out.write(_INDENTED.encode(value).replace("\n", "\n" + _MEMBER_INDENT))
+                elif value.count == 0:
+                    out.write("[]")
+                else:
+                    out.write("[\n")
+                    out.copy(value.path)
+                    out.write(f"\n{_MEMBER_INDENT}]")
+            out.write("\n  }" if entry else "}")
+        out.write("\n]\n" if entries else "\n")
+        out.flush()

@@ -61,8 +61,10 @@ async def read_json_object(request: web.Request) -> dict[str, Any] | web.Respons
     return body
 
 
-#: Largest request body the reference servers accept (long prompts are fine).
-MAX_BODY_BYTES = 64 * 1024 * 1024
+#: Largest request body the reference servers accept. Effectively no limit, as with NeMo Gym's uvicorn
+#: servers: ``/aggregate_metrics`` carries every stripped success of a server in one body (~1 KB each, so
+#: about 1 GB for a million rollouts), and aiohttp's default (1 MiB) or a fixed cap would refuse a large run.
+MAX_BODY_BYTES = 1 << 40
 
 
 async def handle_aggregate_metrics(
