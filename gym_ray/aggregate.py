@@ -49,6 +49,7 @@ import pydantic
 
 from gym_ray import keys
 from gym_ray._internal.aggregate_spool import (
+    STREAMED_REPLY_KEYS,
     Fragment,
     ReplyParts,
     ServerSpools,
@@ -57,6 +58,7 @@ from gym_ray._internal.aggregate_spool import (
     write_metrics_atomic,
 )
 from gym_ray._internal.aggregate_spool import strip_for_aggregation as strip_for_aggregation
+from gym_ray._internal.json_stream import iter_array_of_objects
 from gym_ray._internal.jsonl import JsonlReader
 from gym_ray.errors import (
     AggregationError,
@@ -82,6 +84,7 @@ __all__ = [
     "label_runs",
     "raise_for_aggregation_errors",
     "raise_for_completion_rejection",
+    "read_metrics_summary",
     "strip_for_aggregation",
 ]
 
@@ -352,19 +355,43 @@ async def aggregate_metrics(
     return path
 
 
+def read_metrics_summary(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The entries of a metrics file without their per-task lists, read as a stream.
+
+    Each entry is returned as the file holds it, minus ``group_level_metrics`` and
+    ``repeat_level_metrics`` (one element per task or repeat: read and dropped element by element), so
+    memory does not grow with the number of tasks. Load the file with ``json.load`` for the lists.
+
+    Raises:
+        InputError: the file cannot be read or is not a JSON list of objects (names the file).
+    """
+    file = Path(path)
+    try:
+        entries = list(
+            iter_array_of_objects(
+                file,
+                skipped=frozenset(STREAMED_REPLY_KEYS),
+                what=f"the metrics file {file} holds text",
+                hint="run `gym-ray aggregate RUN_DIR CONFIG` to write it again",
+            )
+        )
+    except OSError as exc:
+        raise InputError(
+            f"cannot read the metrics file {file}: {exc}; run `gym-ray aggregate` to write it again",
+            path=str(file),
+        ) from exc
+    except ServerResponseError as exc:
+        raise InputError(str(exc), path=str(file)) from exc
+    for entry in entries:
+        for key in STREAMED_REPLY_KEYS:
+            entry.pop(key, None)
+    return entries
+
+
 def _read_entries(path_or_entries: str | os.PathLike[str] | Iterable[Any]) -> list[AggregateEntry]:
     source: Any = path_or_entries
     if isinstance(path_or_entries, str | os.PathLike):
-        path = Path(path_or_entries)
-        try:
-            source = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(source, list):
-                raise ValueError(f"a JSON {type(source).__name__}, not a list of entries")
-        except (OSError, ValueError) as exc:
-            raise InputError(
-                f"cannot read the metrics file {path}: {exc}; run `gym-ray aggregate` to write it again",
-                path=str(path),
-            ) from exc
+        source = read_metrics_summary(path_or_entries)  # the per-task lists are not needed here
     entries = []
     for index, item in enumerate(source):
         try:

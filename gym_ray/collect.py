@@ -30,7 +30,12 @@ from gym_ray import keys
 from gym_ray._internal import latency
 from gym_ray._internal.atomic import atomic_write_bytes
 from gym_ray._internal.tasks import first_error
-from gym_ray.aggregate import aggregate_run, raise_for_aggregation_errors, raise_for_completion_rejection
+from gym_ray.aggregate import (
+    aggregate_run,
+    raise_for_aggregation_errors,
+    raise_for_completion_rejection,
+    read_metrics_summary,
+)
 from gym_ray.client import ServerClient, fetch_global_config
 from gym_ray.config import RunSettings, load_config
 from gym_ray.dispatch import dispatch
@@ -403,7 +408,7 @@ async def finalize_run(
             strict=True,
         )
     metrics_path = await aggregate_run(root, topology, client, raise_on_error=False)
-    entries = json.loads(metrics_path.read_text(encoding="utf-8")) if metrics_path else []
+    entries = read_metrics_summary(metrics_path) if metrics_path else []
     key_metrics = {e["_ng_environment_server"]: e.get("key_metrics", {}) for e in entries}
     errors = {
         e["_ng_environment_server"]: e["aggregation_error"] for e in entries if "aggregation_error" in e

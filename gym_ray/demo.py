@@ -8,11 +8,11 @@ every task repeated), checks the run folder with the ledger, and prints a metric
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+from gym_ray.aggregate import read_metrics_summary
 from gym_ray.collect import RunResult
 
 
@@ -21,7 +21,7 @@ def _headline(result: RunResult) -> dict[str, dict[str, Any]]:
     table: dict[str, dict[str, Any]] = {}
     entries: list[dict[str, Any]] = []
     if result.metrics_path and Path(result.metrics_path).exists():
-        entries = json.loads(Path(result.metrics_path).read_text(encoding="utf-8"))
+        entries = read_metrics_summary(result.metrics_path)
     for entry in entries:
         metrics = {**entry.get("agent_metrics", {}), **entry.get("key_metrics", {})}
         k = metrics.get("num_repeats")

@@ -26,7 +26,12 @@ from pydantic import BaseModel, ConfigDict
 from gym_ray import keys
 from gym_ray._internal.jsonl import JsonlReader
 from gym_ray._internal.shard_files import list_shards, record_identity, shard_paths
-from gym_ray.aggregate import AGGREGATE_FILE_NAME, AggregateEntry, raise_for_aggregation_errors
+from gym_ray.aggregate import (
+    AGGREGATE_FILE_NAME,
+    AggregateEntry,
+    raise_for_aggregation_errors,
+    read_metrics_summary,
+)
 from gym_ray.errors import InputError, ResumeError, UsageError
 from gym_ray.resume import plan_resume
 
@@ -171,8 +176,8 @@ def _shard_status(run_dir: Path, shard: str) -> ShardStatus:
 def _aggregate_summary(run_dir: Path) -> tuple[int | None, tuple[str, ...]]:
     path = run_dir / AGGREGATE_FILE_NAME
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw: Any = read_metrics_summary(path)
+    except InputError:
         return None, ()
     if not isinstance(raw, list):
         return None, ()

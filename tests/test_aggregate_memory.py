@@ -24,9 +24,14 @@ from gym_ray._internal.aggregate_spool import (
     write_json_atomic,
     write_metrics_atomic,
 )
-from gym_ray.aggregate import aggregate_metrics, strip_for_aggregation
+from gym_ray.aggregate import (
+    aggregate_metrics,
+    raise_for_aggregation_errors,
+    read_metrics_summary,
+    strip_for_aggregation,
+)
 from gym_ray.client import ServerClient
-from gym_ray.errors import InputError, RecordError, ServerHTTPError, ServerResponseError
+from gym_ray.errors import AggregationError, InputError, RecordError, ServerHTTPError, ServerResponseError
 from gym_ray.servers import compute_aggregate_metrics, serve_config
 from gym_ray.topology import Topology
 
@@ -518,3 +523,52 @@ async def test_a_bad_element_in_a_reply_is_that_servers_aggregation_error(tmp_pa
         }
     ]
     assert os.listdir(tmp_path) == ["m.json"]  # the spool folder (body, reply, fragments) is gone
+
+
+# --- reading the metrics file back without its per-task lists ------------------------------------------
+
+
+def test_read_metrics_summary_drops_only_the_per_task_lists(tmp_path: Path) -> None:
+    entries = [
+        {
+            "agent_ref": {"name": "a"},
+            "_ng_environment_server": "env_a",
+            "agent_metrics": {"mean/reward": 0.5, "note": '[{"]'},
+            "key_metrics": {"mean/reward": 0.5},
+            "group_level_metrics": [{"_ng_task_index": t, "rollout_infos": [{"r": 1}]} for t in range(50)],
+            "repeat_level_metrics": [{"repeat": 0}],
+        },
+        {"agent_ref": {"name": "b"}, "_ng_environment_server": "env_b", "aggregation_error": "boom"},
+    ]
+    path = tmp_path / "rollouts_aggregate_metrics.json"
+    path.write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
+    assert read_metrics_summary(path) == [
+        {
+            "agent_ref": {"name": "a"},
+            "_ng_environment_server": "env_a",
+            "agent_metrics": {"mean/reward": 0.5, "note": '[{"]'},
+            "key_metrics": {"mean/reward": 0.5},
+        },
+        {"agent_ref": {"name": "b"}, "_ng_environment_server": "env_b", "aggregation_error": "boom"},
+    ]
+    with pytest.raises(AggregationError, match="env_b: boom"):
+        raise_for_aggregation_errors(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        pytest.param(
+            '{"a": 1}',
+            r"is not a JSON array of objects: Expecting a JSON array '\[' at character 0",
+            id="object",
+        ),
+        pytest.param('[{"a": 1}', r"is not a JSON array of objects: it ends too early", id="truncated"),
+    ],
+)
+def test_read_metrics_summary_names_a_bad_file(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "m.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(InputError, match=match) as info:
+        read_metrics_summary(path)
+    assert str(path) in str(info.value)

@@ -22,6 +22,7 @@ Not thread-safe: one iterator is used from one thread at a time.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -31,7 +32,7 @@ from typing import Any, BinaryIO
 
 from gym_ray.errors import ServerResponseError, UsageError
 
-__all__ = ["EXCERPT_BYTES", "StreamedList", "iter_object"]
+__all__ = ["EXCERPT_BYTES", "StreamedList", "iter_array_of_objects", "iter_object"]
 
 #: Bytes of the file kept as ``body_excerpt`` of the errors raised.
 EXCERPT_BYTES = 2000
@@ -163,19 +164,59 @@ def iter_object(
         raise UsageError(f"iter_object: chunk_bytes={chunk_bytes} is invalid; pass a positive size")
     with Path(path).open("rb") as handle:
         reader = _Reader(handle, chunk_bytes)
-        try:
+        with _errors(reader, path, what, hint, "one JSON object"):
             yield from _members(reader, streamed)
-        except _Bad as exc:
-            where = reader.offset + exc.pos
-            cut = exc.message == "truncated" or exc.pos >= len(reader.text)
-            problem = "it ends too early (truncated)" if cut else exc.message
-            raise _error(
-                path, what, f"is not one JSON object: {problem} at character {where}", hint
-            ) from None
-        except UnicodeDecodeError as exc:
-            raise _error(path, what, f"is not UTF-8 ({exc})", hint) from None
-        except _ElementError as exc:
-            raise _error(path, what, str(exc), hint) from None
+            _finish(reader)
+
+
+def iter_array_of_objects(
+    path: str | Path,
+    *,
+    skipped: frozenset[str],
+    what: str,
+    hint: str,
+    chunk_bytes: int = _CHUNK_BYTES,
+) -> Iterator[dict[str, Any]]:
+    """Yield each object of the JSON array of objects in ``path``, without the arrays under ``skipped``.
+
+    An array under a skipped key is read element by element and dropped: the object yielded holds
+    ``StreamedList(count)`` in its place. Memory: one object without its skipped arrays, and the buffer.
+
+    Raises:
+        ServerResponseError: the text is not a JSON array of objects (see :func:`iter_object`).
+        OSError: the file cannot be read.
+    """
+    drop: Mapping[str, Callable[[dict[str, Any]], None]] = {key: _drop for key in skipped}
+    with Path(path).open("rb") as handle:
+        reader = _Reader(handle, chunk_bytes)
+        with _errors(reader, path, what, hint, "a JSON array of objects"):
+            _step(reader, lambda text, i: _expect(text, i, "[", "a JSON array '['"))
+            if not _step(reader, _opt_close("]")):
+                while True:
+                    yield dict(_members(reader, drop))
+                    if _step(reader, lambda text, i: _expect(text, i, ",]", "',' or ']'")) == "]":
+                        break
+            _finish(reader)
+
+
+def _drop(_element: dict[str, Any]) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _errors(reader: _Reader, path: str | Path, what: str, hint: str, shape: str) -> Iterator[None]:
+    """Turn the reader's internal exceptions into one ServerResponseError naming the file's problem."""
+    try:
+        yield
+    except _Bad as exc:
+        where = reader.offset + exc.pos
+        cut = exc.message == "truncated" or exc.pos >= len(reader.text)
+        problem = "it ends too early (truncated)" if cut else exc.message
+        raise _error(path, what, f"is not {shape}: {problem} at character {where}", hint) from None
+    except UnicodeDecodeError as exc:
+        raise _error(path, what, f"is not UTF-8 ({exc})", hint) from None
+    except _ElementError as exc:
+        raise _error(path, what, str(exc), hint) from None
 
 
 class _ElementError(Exception):
@@ -234,7 +275,6 @@ def _members(
         first = False
         if sep == "}":
             break
-    _finish(reader)
 
 
 def _opt_close(char: str) -> Callable[[str, int], tuple[bool, int]]:
