@@ -41,20 +41,27 @@ async def fake_shard(
     die_on: str | None = None,
     fail_on: str | None = None,
 ) -> ShardReport:
-    """Writes a marker per completed shard; dies (once) or raises on the named shard."""
+    """Writes a marker per completed shard; dies (once) or raises on the named shard.
+
+    Like resume, a shard whose marker is already written runs nothing again: a worker may finish a shard
+    and die before its report reaches the driver, which then gives the shard to another worker.
+    """
     root = Path(spec.run_dir)
     if spec.shard == die_on and not (root / f"died-{spec.shard}").exists():
         (root / f"died-{spec.shard}").write_text(str(os.getpid()))
         os._exit(1)
     if spec.shard == fail_on:
         raise ShardIOError(f"shard {spec.shard}: fsync failed (disk full); free space and resume")
-    await asyncio.sleep(0.02)
-    (root / f"done-{spec.shard}-{worker}").write_text("")
+    finished = await asyncio.to_thread(lambda: any(root.glob(f"done-{spec.shard}-*")))
+    already = spec.num_rows if finished else 0
+    if not already:
+        await asyncio.sleep(0.02)
+        (root / f"done-{spec.shard}-{worker}").write_text("")
     return ShardReport(
         shard=spec.shard,
         planned=spec.num_rows,
-        already_done=0,
-        dispatched=spec.num_rows,
+        already_done=already,
+        dispatched=spec.num_rows - already,
         succeeded=spec.num_rows,
         failed=0,
         failed_by_class={},
