@@ -21,7 +21,6 @@ from aiohttp import web
 from gym_ray._internal.aggregate_spool import (
     ReplyParts,
     ServerSpools,
-    write_json_atomic,
     write_metrics_atomic,
 )
 from gym_ray.aggregate import (
@@ -250,19 +249,19 @@ def test_spool_body_is_sorted_and_byte_identical_to_the_compact_encoding(
         pytest.param([{"big": ["x" * 1000 + str(i) for i in range(3000)]}], id="several-chunks"),
     ],
 )
-def test_write_json_atomic_is_byte_identical_to_json_dumps(tmp_path: Path, value: Any) -> None:
+def test_the_metrics_writer_is_byte_identical_to_json_dumps(tmp_path: Path, value: Any) -> None:
     path = tmp_path / "sub" / "m.json"
-    write_json_atomic(path, value, threading.Event())
+    write_metrics_atomic(path, value, threading.Event())
     expected = (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
     assert path.read_bytes() == expected
     assert os.listdir(path.parent) == ["m.json"]
 
 
-def test_write_json_atomic_refuses_nan_and_leaves_the_old_file(tmp_path: Path) -> None:
+def test_the_metrics_writer_refuses_nan_and_leaves_the_old_file(tmp_path: Path) -> None:
     path = tmp_path / "m.json"
     path.write_text("old\n")
     with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
-        write_json_atomic(path, [{"x": float("nan")}], threading.Event())
+        write_metrics_atomic(path, [{"x": float("nan")}], threading.Event())
     assert path.read_text() == "old\n"
     assert os.listdir(tmp_path) == ["m.json"]
 

@@ -16,10 +16,9 @@ The reply side: ``ServerSpools.reply_path`` names the file a server's reply is s
 ``group_level_metrics`` / ``repeat_level_metrics`` is encoded at once as the metrics file will hold it
 (indent 2, shifted to its nesting level) and appended to a per-server fragment file, so memory does not
 grow with the number of tasks. ``write_metrics_atomic`` writes the metrics file entry by entry, copying
-the fragments in chunks: the bytes of ``write_json_atomic`` for the same entries.
-
-``write_json_atomic`` writes ``json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\\n"``
-byte for byte, in chunks, through ``atomic_writer`` (temp file, fsync, rename, fsync of the folder).
+the fragments in chunks: byte for byte ``json.dumps(entries, indent=2, ensure_ascii=False,
+allow_nan=False) + "\\n"`` with each fragment's list in place, through ``atomic_writer`` (temp file,
+fsync, rename, fsync of the folder).
 
 Concurrency: one ``ServerSpools`` is filled (``add``, ``finish``) from one thread; afterwards
 ``write_body`` may run for several servers at once in several threads (each touches only its own
@@ -46,6 +45,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 from gym_ray import keys
 from gym_ray._internal.atomic import atomic_writer
 from gym_ray._internal.json_stream import EXCERPT_BYTES, StreamedList, iter_object
+from gym_ray._internal.rows import MAX_LISTED_ROWS
 from gym_ray.errors import (
     GymRayError,
     InputError,
@@ -69,7 +69,6 @@ __all__ = [
     "group_results",
     "run_joined",
     "strip_for_aggregation",
-    "write_json_atomic",
     "write_metrics_atomic",
 ]
 
@@ -159,9 +158,6 @@ def _row_label(row: Mapping[str, Any], position: int) -> str:
     return f"result #{position} (task {row.get(keys.TASK_INDEX)}, rollout {row.get(keys.ROLLOUT_INDEX)})"
 
 
-_MAX_LISTED = 20
-
-
 class Grouping:
     """Streams results into per-server spools of stripped entries; remembers the first agent per server.
 
@@ -229,7 +225,7 @@ class Grouping:
             return self._topology.environment_server_for_row(result)
         except GymRayError as exc:
             self._unattributable_count += 1
-            if len(self._unattributable) < _MAX_LISTED:
+            if len(self._unattributable) < MAX_LISTED_ROWS:
                 self._unattributable.append(f"{_row_label(result, position)}: {exc}")
             return None
 
@@ -535,26 +531,6 @@ def _sorted_lines(source: BinaryIO) -> list[bytes]:
     return [line for _, line in keyed]
 
 
-def write_json_atomic(path: Path, value: Any, stop: threading.Event) -> None:
-    """Replace ``path`` with ``json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\\n"``.
-
-    The text is encoded and written in chunks of about 1 MiB, never held whole. ``path``'s folder is
-    created when missing. On any error (or ``stop``) the temp file is removed and ``path`` is untouched.
-
-    Raises:
-        OSError: creating, writing, syncing or renaming failed.
-        ValueError: ``value`` holds NaN/infinity or is not JSON-serialisable.
-        Stopped: ``stop`` was set.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_writer(path) as handle:
-        out = _Chunks(handle, stop)
-        for chunk in _INDENTED.iterencode(value):
-            out.write(chunk)
-        out.write("\n")
-        out.flush()
-
-
 class _Chunks:
     """Text written in encoded chunks of about ``_BUFFER_BYTES``."""
 
@@ -586,11 +562,12 @@ class _Chunks:
 
 
 def write_metrics_atomic(path: Path, entries: Sequence[Mapping[str, Any]], stop: threading.Event) -> None:
-    """``write_json_atomic(path, entries, stop)`` where a value may be a ``Fragment`` (the list it holds).
+    """Replace ``path`` with ``json.dumps(entries, indent=2, ensure_ascii=False, allow_nan=False) + "\\n"``.
 
     The entries are dicts; their values are JSON values or ``Fragment``s (a list of objects, already
-    encoded at its nesting level by ``read_reply``). The bytes are those ``write_json_atomic`` writes for
-    the same entries with each fragment's list in place; fragments are copied in chunks.
+    encoded at its nesting level by ``read_reply``), written as the list they hold. The text is written in
+    chunks of about 1 MiB (fragments copied), never held whole; ``path``'s folder is created when missing.
+    On any error (or ``stop``) the temp file is removed and ``path`` is untouched.
 
     Raises:
         OSError: creating, reading a fragment, writing, syncing or renaming failed.

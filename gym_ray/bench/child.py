@@ -61,4 +61,24 @@ def run_in_child(
     return report
 
 
-__all__ = ["CHILD_TIMEOUT_S", "run_in_child"]
+def peak_summary(label: str, runs: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    """``{**fields, "runs", "peak_ratio", "max_peak_rss_mb"}`` for runs of several sizes; also printed.
+
+    ``peak_ratio`` is the largest size's ``peak_rss_mb`` over the smallest size's (each run has ``rows``).
+    """
+    by_size = sorted(runs, key=lambda r: r["rows"])
+    result: dict[str, Any] = {
+        **fields,
+        "runs": runs,
+        "peak_ratio": by_size[-1]["peak_rss_mb"] / by_size[0]["peak_rss_mb"],
+        "max_peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+    }
+    print(
+        f"{label}: peak ratio {result['peak_ratio']:.3f} "
+        f"(rows {by_size[-1]['rows']} / {by_size[0]['rows']}), max peak {result['max_peak_rss_mb']:.1f} MB",
+        flush=True,
+    )
+    return result
+
+
+__all__ = ["CHILD_TIMEOUT_S", "peak_summary", "run_in_child"]

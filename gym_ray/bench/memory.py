@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from gym_ray.bench.child import run_in_child
+from gym_ray.bench.child import peak_summary, run_in_child
 from gym_ray.bench.dispatch import run_examples_loop, serve_bench_server
 from gym_ray.errors import UsageError
 
@@ -95,19 +95,7 @@ def run_memory_bench(
                 f"{run['cpu_us_per_rollout']:.0f} us CPU/rollout",
                 flush=True,
             )
-    by_size = sorted(runs, key=lambda r: r["rows"])
-    result: dict[str, Any] = {
-        "max_resident_tasks": max_resident_tasks,
-        "runs": runs,
-        "peak_ratio": by_size[-1]["peak_rss_mb"] / by_size[0]["peak_rss_mb"],
-        "max_peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
-    }
-    print(
-        f"memory bench: peak ratio {result['peak_ratio']:.3f} "
-        f"(rows {by_size[-1]['rows']} / {by_size[0]['rows']}), max peak {result['max_peak_rss_mb']:.1f} MB",
-        flush=True,
-    )
-    return result
+    return peak_summary("memory bench", runs, max_resident_tasks=max_resident_tasks)
 
 
 if __name__ == "__main__":
