@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from gym_ray.client import LoadSample, ServerClient
-from gym_ray.collect import RunResult, acollect_local
-from gym_ray.config import RunSettings, load_config
-from gym_ray.dispatch import DispatchStats
+from gym_ray.config.settings import RunSettings, load_config
+from gym_ray.config.topology import Topology
+from gym_ray.dispatch.client import LoadSample, ServerClient
+from gym_ray.dispatch.engine import DispatchStats
+from gym_ray.dispatch.helper import RolloutCollectionHelper
+from gym_ray.dispatch.outcomes import RolloutFailureRecord
 from gym_ray.distributed.api import acollect, collect
 from gym_ray.errors import (
     AggregationError,
@@ -27,14 +29,14 @@ from gym_ray.errors import (
     UsageError,
     ValidationError,
 )
-from gym_ray.helper import RolloutCollectionHelper
-from gym_ray.ledger import LedgerReport, check_run
-from gym_ray.outcomes import RolloutFailureRecord
-from gym_ray.preprocess import load_jsonl, preprocess_examples
-from gym_ray.stream import RolloutStream, RowFeed, stream
-from gym_ray.stream_sync import stream_sync
-from gym_ray.topology import Topology
-from gym_ray.validation import resolve_task_sources, validate_rows
+from gym_ray.plan.load import load_jsonl
+from gym_ray.plan.preprocess import preprocess_examples
+from gym_ray.plan.validation import resolve_task_sources, validate_rows
+from gym_ray.record.ledger import LedgerReport, check_run
+from gym_ray.run.collect import RunResult, acollect_local
+from gym_ray.streaming.row_feed import RowFeed
+from gym_ray.streaming.stream import RolloutStream, stream
+from gym_ray.streaming.sync import stream_sync
 
 __version__ = "0.1.0"
 

@@ -106,8 +106,8 @@ def _aggregate_args(parser: argparse.ArgumentParser) -> None:
     _config_args(parser)
 
 
-register("status", "gym_ray.status:status_main", _status_args)
-register("aggregate", "gym_ray.status:aggregate_main", _aggregate_args)
+register("status", "gym_ray.record.status:status_main", _status_args)
+register("aggregate", "gym_ray.record.status:aggregate_main", _aggregate_args)
 
 
 def _run_args(parser: argparse.ArgumentParser) -> None:
@@ -130,8 +130,8 @@ def _bench_args(parser: argparse.ArgumentParser) -> None:
     bench_args(parser)
 
 
-register("run", "gym_ray.demo:run_main", _run_args)
-register("demo", "gym_ray.demo:demo_main", _demo_args)
+register("run", "gym_ray.run.demo:run_main", _run_args)
+register("demo", "gym_ray.run.demo:demo_main", _demo_args)
 register("bench", "gym_ray.bench.cli:bench_main", _bench_args)
 
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from gym_ray.cli import build_parser
-from gym_ray.config import RunSettings, load_config
-from gym_ray.topology import Topology
+from gym_ray.config.settings import RunSettings, load_config
+from gym_ray.config.topology import Topology
 
 CLUSTER = Path(__file__).resolve().parent.parent / "cluster"
 RAYJOB = CLUSTER / "kuberay" / "rayjob.yaml"

@@ -3,7 +3,7 @@
 For each size, the parent writes a JSONL input file of ``n`` distinct rows (no ``_ng_task_index`` /
 ``_ng_rollout_index``: preprocessing gives every row its own task by content; ``num_repeats`` 1), then a
 *fresh* spawned child process imports the collector, notes its baseline peak resident set size, and runs
-the whole :func:`gym_ray.collect.acollect_local` on that file: preprocess and validate, plan shards,
+the whole :func:`gym_ray.run.collect.acollect_local` on that file: preprocess and validate, plan shards,
 dispatch with bounded admission (``max_resident_tasks``), record to shard files, merge, aggregate. The
 child reports its own peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``), the largest peak of
 any process it started and joined (``RUSAGE_CHILDREN``: the merge step's shard-sorting pool, if used),
@@ -18,7 +18,7 @@ snapshots whenever traced memory has grown by 5 %), to find what grows. Tracing 
 and adds its own memory to the RSS figures.
 
 With ``stage="plan"`` (``gym-ray bench plan-memory``) the child only validates and plans the run folder
-(:func:`gym_ray.plan.iter_prepare_run`: both passes over the input, shards written), no servers called:
+(:func:`gym_ray.plan.shards.iter_prepare_run`: both passes over the input, shards written), no servers called:
 the figure for the planning stage alone.
 
 Each size's run folder and input file live in a temporary folder that is deleted after that size.
@@ -135,9 +135,11 @@ def _child(
 ) -> None:
     """Body of one measurement process: import, note the baseline peak, collect (or only plan), report."""
     try:
-        from gym_ray.collect import acollect_local  # imported before the baseline so it counts as baseline
-        from gym_ray.plan import iter_prepare_run
-        from gym_ray.topology import Topology
+        from gym_ray.config.topology import Topology
+        from gym_ray.plan.shards import iter_prepare_run
+        from gym_ray.run.collect import (
+            acollect_local,  # imported before the baseline so it counts as baseline
+        )
 
         baseline_mb = _peak_rss_mb()
         sampler = _PeakSampler() if trace_top > 0 else None

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from gym_ray.helper import RolloutCollectionHelper
+from gym_ray.dispatch.helper import RolloutCollectionHelper
 
 _WARMUP_ROWS = 500
 

@@ -36,8 +36,8 @@ from typing import Any
 import aiohttp
 
 from gym_ray.bench.dispatch import bench_config, bench_rows, serve_bench_server
+from gym_ray.dispatch.helper import RolloutCollectionHelper
 from gym_ray.errors import UsageError
-from gym_ray.helper import RolloutCollectionHelper
 
 
 def latency_config(latency_ms: float) -> dict[str, Any]:

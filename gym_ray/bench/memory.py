@@ -37,7 +37,7 @@ def _peak_rss_mb() -> float:
 
 def _child(conn: Connection, config: dict[str, Any], n: int, max_resident_tasks: int) -> None:
     """Body of one measurement process: import, note the baseline peak, run, report."""
-    import gym_ray.helper  # noqa: F401  # imported before the baseline so it counts as baseline
+    import gym_ray.dispatch.helper  # noqa: F401  # imported before the baseline so it counts as baseline
 
     baseline_mb = _peak_rss_mb()
     started, cpu_started = time.perf_counter(), time.process_time()

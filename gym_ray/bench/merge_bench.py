@@ -1,4 +1,4 @@
-"""Benchmark: merging a run's shards (``gym_ray.merge.merge_shards``) -- throughput and peak memory.
+"""Benchmark: merging a run's shards (``gym_ray.record.merge.merge_shards``) -- throughput and peak memory.
 
 ``gym-ray bench merge``: writes ``shards`` shard success files holding ``rows`` realistic records
 (~300 bytes each: a short prompt, a response summary, reward and the identity keys collection writes),
@@ -95,7 +95,7 @@ def _peak_rss_mb() -> float:
 
 def _child(run_dir: str) -> None:
     """Merge ``run_dir`` and print the child's figures as one JSON line."""
-    from gym_ray.merge import merge_shards
+    from gym_ray.record.merge import merge_shards
 
     baseline = _peak_rss_mb()
     cpu0, wall0 = time.process_time(), time.perf_counter()

@@ -48,9 +48,9 @@ import psutil
 
 from gym_ray import keys
 from gym_ray.bench.latency import BareTarget, _share, bare_aiohttp_loop, run_wrk
-from gym_ray.collect import resolve_run_config
-from gym_ray.config import RunSettings
+from gym_ray.config.settings import RunSettings
 from gym_ray.distributed.api import RunActors, _ray_connection, plan_from_config, run_actors
+from gym_ray.run.collect import resolve_run_config
 from gym_ray.servers import ServerStats, load_bundled_config
 from gym_ray.servers.datagen import arithmetic_rows, write_jsonl
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from gym_ray.bench.dispatch import _bare_loop, _env_url, bench_rows, serve_bench_server
-from gym_ray.collect import client_for, plan_run, run_shard
-from gym_ray.config import RunSettings
-from gym_ray.topology import Topology
+from gym_ray.config.settings import RunSettings
+from gym_ray.config.topology import Topology
+from gym_ray.run.collect import client_for, plan_run, run_shard
 
 
 async def _record_loop(config: dict[str, Any], folder: Path, n: int, concurrency: int) -> dict[str, float]:

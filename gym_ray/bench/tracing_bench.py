@@ -2,7 +2,7 @@
 
 Same set-up as :mod:`gym_ray.bench.dispatch`: the instant reference server runs in a separate process
 (``serve_bench_server``), so ``time.process_time()`` here measures only the collector. Each mode runs
-:func:`gym_ray.dispatch.dispatch` over the same rows with the same client limits:
+:func:`gym_ray.dispatch.engine.dispatch` over the same rows with the same client limits:
 
 - ``off``: no tracer (the default; the hot path tests ``tracer is None`` and nothing else);
 - ``on``: preset ``default`` inside a job span: a root span per rollout linked to the job span, an HTTP
@@ -25,10 +25,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from gym_ray.bench.dispatch import bench_rows, serve_bench_server
-from gym_ray.client import ServerClient
-from gym_ray.dispatch import dispatch
-from gym_ray.topology import Topology
-from gym_ray.tracing import Tracer, TracingSettings, job_span, setup_tracing
+from gym_ray.config.topology import Topology
+from gym_ray.dispatch.client import ServerClient
+from gym_ray.dispatch.engine import dispatch
+from gym_ray.observe.tracing import Tracer, TracingSettings, job_span, setup_tracing
 
 _WARMUP_ROWS = 500
 

@@ -51,12 +51,12 @@ from gym_ray.distributed.worker import (
     worker_max_concurrency,
 )
 from gym_ray.errors import ConfigError, InternalError, NoProgressError, UsageError
-from gym_ray.progress import ProgressDisplay
-from gym_ray.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing_from_config
+from gym_ray.observe.progress import ProgressDisplay
+from gym_ray.observe.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing_from_config
 
 if TYPE_CHECKING:
-    from gym_ray.collect import RunResult, ShardSpec
-    from gym_ray.config import RunSettings
+    from gym_ray.config.settings import RunSettings
+    from gym_ray.run.collect import RunResult, ShardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class RunActors:
 def plan_from_config(config: Mapping[str, Any], rows: Any = None) -> Iterator[ShardSpec]:
     """Default planner (runs in the driver actor): validate the input rows, then plan the run lazily.
 
-    Uses :func:`gym_ray.plan.iter_prepare_run`: a whole validation pass first (bad input raises before
+    Uses :func:`gym_ray.plan.shards.iter_prepare_run`: a whole validation pass first (bad input raises before
     anything is written), then each shard is cut, committed and yielded as the driver asks for it, so
     shard 0 is handed out while the rest of the input is still being cut. On resume the existing shards
     are verified by digest and reused.
@@ -96,8 +96,8 @@ def plan_from_config(config: Mapping[str, Any], rows: Any = None) -> Iterator[Sh
     Returns:
         The planned shards, in input order (a generator: planning happens as it is consumed).
     """
-    from gym_ray.plan import iter_prepare_run
-    from gym_ray.topology import Topology
+    from gym_ray.config.topology import Topology
+    from gym_ray.plan.shards import iter_prepare_run
 
     cfg = dict(config)
     # This runs in a thread of the async driver actor: wait on the ref's future (ray.get would warn).
@@ -135,14 +135,14 @@ async def run_actors(
         run_dir: The run folder.
         num_workers: Worker actors to start.
         started_at: ``time.monotonic()`` when the caller's run started (wall time in the summary).
-        shard_fn: Runs one shard in a worker (default :func:`gym_ray.collect.run_shard`).
-        finalize_fn: Finalizes the run in the coordinator (default :func:`gym_ray.collect.finalize_run`).
+        shard_fn: Runs one shard in a worker (default :func:`gym_ray.run.collect.run_shard`).
+        finalize_fn: Finalizes the run in the coordinator (default :func:`gym_ray.run.collect.finalize_run`).
         shards_in_flight: Shards each worker runs at once (sharing its admission semaphore).
         max_worker_restarts: Replacement workers allowed in total (default ``2 x num_workers``).
         cancel_grace_s: On cancellation, seconds workers get to close their writers before being killed.
         on_started: Called once the actors exist, with the live :class:`RunActors` (it stays current).
         traceparent: W3C ``traceparent`` of the caller's job span, given to every worker so rollout spans
-            link to it (see :func:`gym_ray.tracing.current_traceparent`).
+            link to it (see :func:`gym_ray.observe.tracing.current_traceparent`).
         on_progress: Called every ``progress_interval_s`` with a
             :class:`~gym_ray.distributed.live.ProgressSnapshot` (absolute counts; see that module), and
             once more, exact, after every worker returned (before finalization).
@@ -377,15 +377,15 @@ async def acollect(
         The run result (paths, counts, metrics, summary).
 
     Tracing: with ``tracing.enabled`` the run executes inside the ``gym_ray.job`` span (this process)
-    and every worker links its rollouts' root spans to it (:mod:`gym_ray.tracing`).
+    and every worker links its rollouts' root spans to it (:mod:`gym_ray.observe.tracing`).
 
     Raises:
         ConfigError: Bad config or settings (before Ray starts).
         GymRayError: Planning or a shard failed; the run folder is resumable.
         CancelledError: Cancelled; the actors are stopped, the run folder is resumable.
     """
-    from gym_ray.collect import resolve_run_config, resolve_topology
-    from gym_ray.config import RunSettings
+    from gym_ray.config.settings import RunSettings
+    from gym_ray.run.collect import resolve_run_config, resolve_topology
 
     started = time.monotonic()
     cfg = resolve_run_config(config, overrides=overrides, settings=settings)
@@ -432,7 +432,7 @@ async def acollect(
 
 
 class _ProgressView:
-    """Adapter from progress snapshots to a :class:`gym_ray.progress.ProgressDisplay` on stderr.
+    """Adapter from progress snapshots to a :class:`gym_ray.observe.progress.ProgressDisplay` on stderr.
 
     The display is built at the first snapshot that knows the run's total (once the input is validated).
     """

@@ -1,10 +1,10 @@
 """The coordinator actor: learns of each finished shard, keeps the run's status, finalizes the run.
 
-Workers send one :class:`~gym_ray.collect.ShardReport` per shard they ran (with that call's successes by
+Workers send one :class:`~gym_ray.run.collect.ShardReport` per shard they ran (with that call's successes by
 environment server and reward sums, for the live progress view); the driver sends each planned
-:class:`~gym_ray.collect.ShardSpec` as it is planned and ``None`` when planning ends. At the end,
-:meth:`RunCoordinator.finalize` rebuilds the :class:`~gym_ray.collect.RunPlan` from those specs and runs
-:func:`gym_ray.collect.finalize_run` (k-way merge of the shard files, completion check,
+:class:`~gym_ray.run.collect.ShardSpec` as it is planned and ``None`` when planning ends. At the end,
+:meth:`RunCoordinator.finalize` rebuilds the :class:`~gym_ray.run.collect.RunPlan` from those specs and runs
+:func:`gym_ray.run.collect.finalize_run` (k-way merge of the shard files, completion check,
 ``/aggregate_metrics`` once per environment server, metrics file, ``rollouts_summary.json``) in this actor
 with its own client pool, then adds the distributed figures (workers, shard timings) under the
 ``"distributed"`` key of the summary (atomic replace).
@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gym_ray._internal.atomic import atomic_write_bytes
+from gym_ray.record.atomic import atomic_write_bytes
 
 if TYPE_CHECKING:
-    from gym_ray.client import ServerClient
-    from gym_ray.collect import RunPlan, RunResult, ShardReport, ShardSpec
-    from gym_ray.config import RunSettings
-    from gym_ray.topology import Topology
+    from gym_ray.config.settings import RunSettings
+    from gym_ray.config.topology import Topology
+    from gym_ray.dispatch.client import ServerClient
+    from gym_ray.run.collect import RunPlan, RunResult, ShardReport, ShardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ DISTRIBUTED_KEY = "distributed"
 
 
 class FinalizeFn(Protocol):
-    """The shape of :func:`gym_ray.collect.finalize_run`."""
+    """The shape of :func:`gym_ray.run.collect.finalize_run`."""
 
     def __call__(
         self,
@@ -90,7 +90,7 @@ class RunStatus:
 
 
 def _default_finalize() -> FinalizeFn:
-    from gym_ray.collect import finalize_run
+    from gym_ray.run.collect import finalize_run
 
     return finalize_run
 
@@ -104,7 +104,7 @@ class RunCoordinator:
         run_dir: The run folder.
         config: The plain global config (the topology is built from it for finalization).
         settings: The run's settings.
-        finalize_fn: Merges and aggregates the run; :func:`gym_ray.collect.finalize_run` by default.
+        finalize_fn: Merges and aggregates the run; :func:`gym_ray.run.collect.finalize_run` by default.
         client_factory: Builds the client pool used to aggregate.
         clock: Monotonic clock, injected for tests; elapsed time counts from construction.
     """
@@ -223,7 +223,7 @@ class RunCoordinator:
         Raises:
             AggregationError / RecordError: From ``finalize_run``; the run folder stays resumable.
         """
-        from gym_ray.topology import Topology
+        from gym_ray.config.topology import Topology
 
         topology = Topology.from_config(self._config)
         factory = self._client_factory or _default_client
@@ -255,7 +255,7 @@ class RunCoordinator:
 
     def _plan(self) -> RunPlan:
         """The run's plan as the driver announced it (run id from the specs, else the run manifest)."""
-        from gym_ray.collect import RUN_MANIFEST, RunPlan
+        from gym_ray.run.collect import RUN_MANIFEST, RunPlan
 
         if self._specs:
             run_id, identity = self._specs[0].run_id, self._specs[0].config_identity
@@ -304,6 +304,6 @@ class RunCoordinator:
 
 
 def _default_client(topology: Topology, settings: RunSettings) -> ServerClient:
-    from gym_ray.collect import client_for
+    from gym_ray.run.collect import client_for
 
     return client_for(topology, settings)

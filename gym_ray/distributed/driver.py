@@ -9,8 +9,9 @@ Concurrency promises:
 
 - Planning runs in a background task owned by the actor (each step in a thread, since it writes files) and
   stays at most ``lookahead`` shards ahead of the hand-out: memory holds a bounded queue of small
-  :class:`~gym_ray.collect.ShardSpec`, never rows. A planner that streams (cuts and writes one shard at a
-  time, like :func:`gym_ray.plan.iter_prepare_run`) is consumed lazily, so the first shard is handed out
+  :class:`~gym_ray.run.collect.ShardSpec`, never rows. A planner that streams (cuts and writes one shard at a
+  time, like :func:`gym_ray.plan.shards.iter_prepare_run`) is consumed lazily, so the first shard is handed
+  out
   once the input is validated and that shard is cut; a planner that plans everything first only delays
   the first hand-out. A planner generator left unfinished (close, error) is closed by the planner task.
 - ``next_shard`` waits while shards are in flight elsewhere and nothing is queued: it answers ``None``
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from gym_ray.errors import GymRayError, InternalError, ShardLockError
 
 if TYPE_CHECKING:
-    from gym_ray.collect import ShardSpec
+    from gym_ray.run.collect import ShardSpec
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """The worker actor: pulls shards from the driver and runs them through ``run_shards``.
 
 One :class:`RolloutWorker` is one long-lived async Ray actor (one process) with one HTTP client pool. Its
-``run()`` is :func:`gym_ray.collect.run_shards` with ``shards_in_flight`` lanes (default 2): each lane asks
-the driver for a shard, runs it with :func:`gym_ray.collect.run_shard`, reports the
-:class:`~gym_ray.collect.ShardReport` to the coordinator and the completion to the driver, and asks again.
+``run()`` is :func:`gym_ray.run.collect.run_shards` with ``shards_in_flight`` lanes (default 2): each lane
+asks
+the driver for a shard, runs it with :func:`gym_ray.run.collect.run_shard`, reports the
+:class:`~gym_ray.run.collect.ShardReport` to the coordinator and the completion to the driver, and asks again.
 All lanes share one ``asyncio.Semaphore(max_resident_tasks)``, so while one shard drains its tail the next
 shard already fills the freed slots: the concurrency window stays full across shard boundaries and never
 exceeds ``max_resident_tasks`` rollouts in flight.
@@ -11,7 +12,7 @@ exceeds ``max_resident_tasks`` rollouts in flight.
 Concurrency and failure promises:
 
 - Every outcome is classified inside ``run_shard``; only typed picklable records cross actors
-  (:class:`~gym_ray.collect.ShardReport`, :class:`~gym_ray.distributed.driver.ShardFailure`,
+  (:class:`~gym_ray.run.collect.ShardReport`, :class:`~gym_ray.distributed.driver.ShardFailure`,
   :class:`WorkerProgress`).
 - A shard that raises is reported to the driver as a :class:`ShardFailure` and the lane moves on (the
   ``on_error`` hook of ``run_shards``: the other lanes are not disturbed). A
@@ -21,7 +22,8 @@ Concurrency and failure promises:
   them, which closes every shard writer and the client pool.
 
 Tracing: ``run()`` sets up this process's tracer from the run config and runs every shard inside
-:func:`~gym_ray.tracing.attach_traceparent` of the driver's job span, so each rollout's root span links to
+:func:`~gym_ray.observe.tracing.attach_traceparent` of the driver's job span, so each rollout's root span
+links to
 the job span (no effect when tracing is off or no ``traceparent`` was given).
 
 Live progress: :meth:`RolloutWorker.progress` answers the outcomes written so far by the shards this worker
@@ -50,10 +52,10 @@ from gym_ray.distributed.driver import ShardFailure
 from gym_ray.errors import GymRayError, InternalError
 
 if TYPE_CHECKING:
-    from gym_ray.client import ServerClient
-    from gym_ray.collect import OutcomeHook, ShardReport, ShardSpec
-    from gym_ray.config import RunSettings
-    from gym_ray.topology import Topology
+    from gym_ray.config.settings import RunSettings
+    from gym_ray.config.topology import Topology
+    from gym_ray.dispatch.client import ServerClient
+    from gym_ray.run.collect import OutcomeHook, ShardReport, ShardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ UNKNOWN_SERVER = "?"
 
 
 class ShardFn(Protocol):
-    """The shape of :func:`gym_ray.collect.run_shard` (tests inject other shard functions)."""
+    """The shape of :func:`gym_ray.run.collect.run_shard` (tests inject other shard functions)."""
 
     def __call__(
         self,
@@ -103,7 +105,7 @@ class WorkerTotals:
 class OutcomeTally:
     """Outcomes on disk, counted one by one: successes ``(count, reward sum)`` by environment server.
 
-    ``failed`` counts failure records (one per attempt, as :class:`~gym_ray.collect.ShardReport` does);
+    ``failed`` counts failure records (one per attempt, as :class:`~gym_ray.run.collect.ShardReport` does);
     records that are not persisted (drained rollouts) are not counted.
     """
 
@@ -154,13 +156,13 @@ class WorkerProgress:
 
 
 def _default_shard_fn() -> ShardFn:
-    from gym_ray.collect import run_shard
+    from gym_ray.run.collect import run_shard
 
     return run_shard
 
 
 def _default_client(topology: Topology, settings: RunSettings) -> ServerClient:
-    from gym_ray.collect import client_for
+    from gym_ray.run.collect import client_for
 
     return client_for(topology, settings)
 
@@ -176,7 +178,7 @@ class RolloutWorker:
         coordinator: Handle of the :class:`~gym_ray.distributed.coordinator.RunCoordinator` actor.
         config: The plain global config (the topology and the tracer are built from it inside the actor).
         settings: The run's settings (``max_resident_tasks``, ``max_connections``, timeouts, ...).
-        shard_fn: Runs one shard; :func:`gym_ray.collect.run_shard` by default.
+        shard_fn: Runs one shard; :func:`gym_ray.run.collect.run_shard` by default.
         shards_in_flight: Shards run at once, sharing one admission semaphore.
         client_factory: Builds the client pool from (topology, settings); a :class:`ServerClient` by default.
         clock: Monotonic clock, injected for tests.
@@ -242,9 +244,9 @@ class RolloutWorker:
         Raises:
             CancelledError: ``ray.cancel`` of this call; every shard writer and the client are closed.
         """
-        from gym_ray.collect import run_shards
-        from gym_ray.topology import Topology
-        from gym_ray.tracing import attach_traceparent, setup_tracing_from_config
+        from gym_ray.config.topology import Topology
+        from gym_ray.observe.tracing import attach_traceparent, setup_tracing_from_config
+        from gym_ray.run.collect import run_shards
 
         started = self._clock()
         topology = Topology.from_config(self._config)

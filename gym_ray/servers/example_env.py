@@ -9,8 +9,8 @@ Instance fields (all optional): ``seed`` (int), ``skill`` (0..1), ``latency_ms``
 (0 and 0 = instant mode, no sleep), ``model_name``, ``policy_base_url``, ``policy_model``, ``faults``
 (``faults.FaultConfig``), ``capture_dir`` (a folder: each successful rollout's model calls are written to
 ``<capture_dir>/<instance>-<rollout label>.json`` and the result names the file in
-``model_call_capture_path``; see :mod:`gym_ray.enrich`), ``tracing`` (a
-:class:`gym_ray.tracing.TracingSettings` block; the ``tracer`` attribute may also be set directly:
+``model_call_capture_path``; see :mod:`gym_ray.dispatch.enrich`), ``tracing`` (a
+:class:`gym_ray.observe.tracing.TracingSettings` block; the ``tracer`` attribute may also be set directly:
 ``/run`` then records a SERVER span that continues the caller's W3C ``traceparent``).
 Row fields read: ``responses_create_params``, ``expected_answer``, ``difficulty`` (0..1), ``fault``,
 ``fault_until_attempt``, ``force_failure`` (truthy; a string is the reason), ``force_failure_terminal``
@@ -38,9 +38,10 @@ import aiohttp
 from aiohttp import web
 
 from gym_ray import keys
-from gym_ray._internal.atomic import atomic_write_bytes
-from gym_ray.enrich import MODEL_CALL_CAPTURE_PATH
+from gym_ray.dispatch.enrich import MODEL_CALL_CAPTURE_PATH
 from gym_ray.errors import ConfigError, InputError, ServerError
+from gym_ray.observe.tracing import TRACING_KEY, Tracer, setup_tracing_from_config
+from gym_ray.record.atomic import atomic_write_bytes
 from gym_ray.servers import _web
 from gym_ray.servers.faults import Fault, FaultConfig, inject, row_fault
 from gym_ray.servers.policy import (
@@ -54,7 +55,6 @@ from gym_ray.servers.policy import (
     row_seed,
 )
 from gym_ray.servers.stats import StatsRecorder
-from gym_ray.tracing import TRACING_KEY, Tracer, setup_tracing_from_config
 
 IMPLEMENTATION = "example_env"
 DEFAULT_MODEL_NAME = "gym-ray-simulated-policy"

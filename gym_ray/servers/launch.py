@@ -316,12 +316,12 @@ def plain_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_config_files(paths: Sequence[str], overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Load and merge YAML configs plus ``key=value`` overrides (``gym_ray.config.load_config``).
+    """Load and merge YAML configs plus ``key=value`` overrides (``gym_ray.config.settings.load_config``).
 
     Raises:
         ConfigError: a file is missing or not YAML, or an override is malformed.
     """
-    from gym_ray.config import load_config
+    from gym_ray.config.settings import load_config
 
     return plain_config(load_config(list(paths), list(overrides)))
 

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from gym_ray.records import shard_paths
+from gym_ray.record.shard_files import shard_paths
 
 # A writer process driven line by line over stdin; it answers each command with one line.
 WRITER = r"""
 import sys, time
-from gym_ray.records import ShardWriter
+from gym_ray.record.writer import ShardWriter
 from gym_ray.errors import ShardLockError
 
 run_dir, shard, name = sys.argv[1:4]
@@ -54,7 +54,7 @@ for command in sys.stdin:
 # A process that takes the lock `cycles` times, marking each hold in a side file, after a barrier.
 LOCKER = r"""
 import os, sys, time
-from gym_ray.records import ShardLock
+from gym_ray.record.shard_files import ShardLock
 
 lock_path, side_path, cycles = sys.argv[1], sys.argv[2], int(sys.argv[3])
 lock = ShardLock(lock_path)

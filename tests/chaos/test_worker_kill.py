@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
-from gym_ray.collect import resolve_run_config
-from gym_ray.config import RunSettings
+from gym_ray.config.settings import RunSettings
 from gym_ray.distributed.api import RunActors, plan_from_config, run_actors
-from gym_ray.ledger import check_run
+from gym_ray.record.ledger import check_run
+from gym_ray.run.collect import resolve_run_config
 from gym_ray.servers import bundled_dataset_path, load_bundled_config, start_in_thread
-from tests.test_distributed import wait_for_completed
+from tests.distributed.test_distributed import wait_for_completed
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 

@@ -1,0 +1,347 @@
+"""Config loading: YAML files and CLI overrides merged by OmegaConf, then run settings as a pydantic model.
+
+``load_config(paths, overrides)`` is the one place a run's global config is assembled: every YAML file in
+order (later files win), then every override (``key=value`` changes an existing key, ``+key=value`` adds a
+new one, ``++key=value`` adds or changes), then interpolations are resolved and a plain dict comes back.
+``RunSettings.from_config(cfg)`` reads the top-level run knobs from that dict once, at the edge; server
+instances and routing keys are read by :class:`gym_ray.config.topology.Topology`.
+
+Every failure is a :class:`~gym_ray.errors.ConfigError` naming the file and line, the override, or the
+dotted key, with the bad value and what is allowed. Nothing here does I/O other than reading the files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import pydantic
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gym_ray import keys
+from gym_ray.errors import ConfigError
+
+__all__ = ["RunSettings", "load_config"]
+
+_ADD = "+"
+_FORCE = "++"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _load_file(path: Path) -> DictConfig:
+    """One YAML file as a DictConfig; any problem is a ConfigError naming the file (and line)."""
+    if not path.is_file():
+        where = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file '{path}' {where}; pass the path of a YAML file")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = exc.problem or exc.context or "invalid YAML"
+        if exc.context and exc.context_mark is not None and exc.problem:
+            problem += f" ({exc.context} at line {exc.context_mark.line + 1})"
+        raise ConfigError(f"config file '{path}'{line}: {problem}; fix the YAML there") from exc
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or None
+        where = f" at key '{key}'" if key else ""
+        raise ConfigError(
+            f"config file '{path}'{where}: {_first_line(exc)}; fix the value there", key=key
+        ) from exc
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file '{path}' cannot be read: {_first_line(exc)}") from exc
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(
+            f"config file '{path}' holds a {type(loaded).__name__} at the top level; a config file must be "
+            "a mapping of keys (e.g. 'head_server: {host: 127.0.0.1, port: 11000}')"
+        )
+    return loaded
+
+
+def _kind_conflict(old: Any, new: Any, prefix: str = "") -> str | None:
+    """The first dotted key where ``new`` puts a mapping over a list or a list over a mapping."""
+    for key, value in new.items() if isinstance(new, dict) and isinstance(old, dict) else ():
+        path = f"{prefix}{key}"
+        if key in old:
+            before = old[key]
+            if isinstance(before, dict) != isinstance(value, dict) and (
+                isinstance(before, list) or isinstance(value, list)
+            ):
+                return path
+            found = _kind_conflict(before, value, f"{path}.")
+            if found is not None:
+                return found
+    return None
+
+
+def _exists(container: Any, parts: list[str]) -> bool:
+    """True when the dotted path is present in a plain container (a ``???`` value counts as present)."""
+    node = container
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
+
+
+def _parse_override(override: str) -> tuple[str, str, Any]:
+    """``(mode, key, value)`` of ``[+|++]key=value``; the value is read as YAML (OmegaConf's loader)."""
+    form = "write key=value (change), +key=value (add) or ++key=value (add or change)"
+    if not isinstance(override, str):
+        raise ConfigError(f"override {override!r} is not a string; {form}")
+    mode = _FORCE if override.startswith(_FORCE) else _ADD if override.startswith(_ADD) else ""
+    body = override[len(mode) :]
+    key, sep, text = body.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or not key or any(not part or part != part.strip() for part in parts):
+        raise ConfigError(f"override {override!r} is malformed; {form}, with a dotted key", key=key or None)
+    if key.startswith(("+", "~")):
+        raise ConfigError(f"override {override!r} has an unknown prefix; {form}", key=key)
+    try:
+        holder = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]), resolve=False)
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        problem = exc.problem if isinstance(exc, yaml.MarkedYAMLError) and exc.problem else _first_line(exc)
+        raise ConfigError(
+            f"override {override!r} has a value that is not valid YAML ({problem}); quote it, "
+            f"e.g. {mode}{key}='...'",
+            key=key,
+        ) from exc
+    assert isinstance(holder, dict)
+    return mode, key, holder["value"]
+
+
+def _apply_override(cfg: DictConfig, override: str) -> None:
+    mode, key, value = _parse_override(override)
+    present = _exists(OmegaConf.to_container(cfg, resolve=False), key.split("."))
+    if mode == "" and not present:
+        raise ConfigError(
+            f"override {override!r} changes '{key}', which is not in the config; to add it write "
+            f"+{override} (or ++{override} to add or change)",
+            key=key,
+        )
+    if mode == _ADD and present:
+        raise ConfigError(
+            f"override {override!r} adds '{key}', which is already in the config; to change it write "
+            f"{override[1:]} (or +{override} to add or change)",
+            key=key,
+        )
+    try:
+        OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+    except (OmegaConfBaseException, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"override {override!r} cannot be applied: {_first_line(exc)}; check that every part of '{key}' "
+            "but the last names a mapping",
+            key=key,
+        ) from exc
+
+
+def load_config(paths: Sequence[str | os.PathLike[str]], overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Load, merge and resolve a run's global config.
+
+    Args:
+        paths: YAML files, merged in order (a later file wins key by key). A single path is accepted too.
+        overrides: ``key=value`` (change an existing key), ``+key=value`` (add a new key) or
+            ``++key=value`` (add or change); dotted keys, values read as YAML (``n=3`` is an int,
+            ``m={a: 1}`` a mapping, ``s='3'`` a string, ``x=`` null). A mapping value merges into a
+            mapping already there.
+
+    Returns:
+        The merged config as plain dicts and lists, every interpolation resolved.
+
+    Raises:
+        ConfigError: a missing file, a YAML syntax error (file and line), a malformed override, or an
+            interpolation that cannot be resolved (``key`` = its dotted path).
+
+    Example:
+        >>> cfg = load_config(["env.yaml"], ["+num_repeats=4", "++head_server.port=11001"])
+    """
+    if isinstance(paths, str | os.PathLike):
+        paths = [paths]
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    merged: DictConfig = OmegaConf.create({})
+    for path in paths:
+        part = _load_file(Path(path))
+        try:
+            merged = cast(DictConfig, OmegaConf.merge(merged, part))
+        except (OmegaConfBaseException, TypeError, ValueError) as exc:
+            key = _kind_conflict(
+                OmegaConf.to_container(merged, resolve=False), OmegaConf.to_container(part, resolve=False)
+            )
+            raise ConfigError(
+                f"config file '{path}' does not merge onto the files before it at '{key}': "
+                f"{_first_line(exc)}; make the value's kind (mapping, list, scalar) agree",
+                key=key,
+            ) from exc
+    for override in overrides:
+        _apply_override(merged, override)
+    try:
+        container = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        raise ConfigError(
+            f"config key '{key}' has an interpolation that cannot be resolved: {_first_line(exc)}; define "
+            "the key it refers to (or the environment variable), or fix the ${...} expression",
+            key=key,
+        ) from exc
+    assert isinstance(container, dict)
+    return cast(dict[str, Any], container)
+
+
+#: What a field accepts, where its annotation alone does not say it.
+_ALLOWED = {
+    "num_repeats": f"an int >= 1, or {{routing key: int >= 1}} with an optional {keys.DEFAULT_KEY}",
+    "fan_out": "{routing key: [distinct agent names]} or null",
+}
+
+
+def _describe_allowed(name: str, info: Any) -> str:
+    if name in _ALLOWED:
+        return _ALLOWED[name]
+    annotation = info.annotation
+    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+    text = text.replace("typing.", "").replace("NoneType", "None")
+    for constraint in info.metadata:
+        for attr, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            bound = getattr(constraint, attr, None)
+            if bound is not None:
+                text += f" ({symbol} {bound})"
+    return text
+
+
+class RunSettings(BaseModel):
+    """The run-level knobs of a config (top-level keys that are not server instances).
+
+    Values are checked strictly (a YAML string ``"3"`` is not an int). Unknown keys are ignored: they are
+    server instances, routing keys, or settings of other tools.
+
+    Attributes:
+        input_jsonl_fpath: input rows, or None (rows passed in by the caller).
+        output_dir: the run folder, or None.
+        num_repeats: rollouts per task: an int >= 1, or ``{routing key: int >= 1}`` with ``_default``.
+        agent_map: ``{agent name or task_source or _default: agent}`` for unrouted flat rows.
+        fan_out: ``{routing key: [agents]}``: each task runs on every listed agent.
+        num_repeats_add_seed: put the rollout index as ``seed`` in ``metadata.extra_body``.
+        interleave_repeats: order rows round by round (abcabc) instead of task by task (aabbcc).
+        task_ids: keep only these tasks (each once, before repetition).
+        responses_create_params: run-level overrides merged into every flat row's create params.
+        max_resident_tasks: rollouts in flight per worker (admission bound).
+        max_connections: HTTP connection pool limit per worker; unset or null takes ``max_resident_tasks``.
+        request_timeout_s / connect_timeout_s: per request / per connect.
+        dispatch_budget_s: stop admitting after this many seconds and drain, or None (no budget).
+        drain_margin_s: time kept back from the budget for draining, or None (automatic).
+        route_failures_to_sidecar: write failure records to ``*_failures.jsonl``.
+        retry_requests: retry a ``/run`` whose connection failed before an answer.
+        max_rollout_attempts: attempts per rollout before resume gives up on it.
+        shard_size: rows per shard, or None (automatic).
+        num_workers: worker actors, or None (automatic).
+        strict: refuse to publish metrics when work is left unfinished.
+        no_progress_timeout_s: fail the run when nothing finished for this long.
+        seed: run seed, or None.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+
+    input_jsonl_fpath: str | None = None
+    output_dir: str | None = None
+    num_repeats: int | dict[str, int] = 1
+    agent_map: dict[str, str] | None = None
+    fan_out: dict[str, list[str]] | None = None
+    num_repeats_add_seed: bool = False
+    interleave_repeats: bool = False
+    task_ids: list[int | str] | None = None
+    responses_create_params: dict[str, Any] | None = None
+    max_resident_tasks: int = Field(256, ge=1)
+    max_connections: int = Field(256, ge=1)
+    request_timeout_s: float = Field(900.0, gt=0)
+    connect_timeout_s: float = Field(10.0, gt=0)
+    dispatch_budget_s: float | None = Field(None, gt=0)
+    drain_margin_s: float | None = Field(None, ge=0)
+    route_failures_to_sidecar: bool = True
+    retry_requests: bool = True
+    max_rollout_attempts: int = Field(3, ge=1)
+    shard_size: int | None = Field(None, ge=1)
+    num_workers: int | None = Field(None, ge=1)
+    strict: bool = False
+    no_progress_timeout_s: float = Field(600.0, gt=0)
+    seed: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_max_connections(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("max_connections") is None:
+            resident = data.get("max_resident_tasks", 256)
+            valid = isinstance(resident, int) and not isinstance(resident, bool) and resident >= 1
+            return {**data, "max_connections": resident if valid else 256}
+        return data
+
+    @field_validator("num_repeats", mode="before")
+    @classmethod
+    def _check_num_repeats(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            bad = {k: v for k, v in value.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+            if not value:
+                raise ValueError("a num_repeats mapping must not be empty")
+            if bad:
+                raise ValueError(f"every value of a num_repeats mapping must be an int >= 1, got {bad}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"num_repeats must be an int >= 1, got {value!r}")
+        return value
+
+    @field_validator("fan_out")
+    @classmethod
+    def _check_fan_out(cls, value: dict[str, list[str]] | None) -> dict[str, list[str]] | None:
+        for key, agents in (value or {}).items():
+            if not agents:
+                raise ValueError(
+                    f"fan_out[{key!r}] is an empty list; list at least one agent or drop the key"
+                )
+            if len(set(agents)) != len(agents):
+                raise ValueError(f"fan_out[{key!r}] lists the same agent more than once: {agents}")
+        return value
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> RunSettings:
+        """Read the run settings from a merged config's top-level keys.
+
+        Args:
+            cfg: the plain config dict (``load_config``'s result).
+
+        Returns:
+            The frozen settings; keys absent from ``cfg`` take their defaults.
+
+        Raises:
+            ConfigError: a value of the wrong type or out of range; the message names every bad key, its
+                value and what is allowed, and ``key`` is the first bad key.
+        """
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"the global config must be a mapping, got {type(cfg).__name__}")
+        try:
+            return cls.model_validate(dict(cfg))
+        except pydantic.ValidationError as exc:
+            problems: dict[str, list[str]] = {}
+            for error in exc.errors():
+                top = str(error["loc"][0]) if error["loc"] else ""
+                message = str(error["msg"]).removeprefix("Value error, ")
+                if message not in problems.setdefault(top, []):
+                    problems[top].append(message)
+            lines = []
+            for top, messages in problems.items():
+                info = cls.model_fields.get(top)
+                allowed = f"; allowed: {_describe_allowed(top, info)}" if info is not None else ""
+                value = cfg.get(top, "<unset>")
+                lines.append(f"config key '{top}' is {value!r}: {' / '.join(messages)}{allowed}")
+            raise ConfigError("; ".join(lines), key=next(iter(problems)) or None) from exc

@@ -1,0 +1,274 @@
+"""Identical-row dedupe over two passes, in memory that does not grow with the input.
+
+Preprocessing gives identical rows one task index (PROTOCOL.md section 4): a row's task index is the
+position of its content digest among the distinct digests seen so far. The one-pass form,
+:class:`~gym_ray.plan._compact_index.CompactIndex`, keeps every distinct digest in memory (17-25
+bytes per task). Planning a run reads the input twice anyway (a validation pass, then the pass that cuts
+shards), and this module uses the first pass to find the duplicates on disk:
+
+1. Pass 1 (:meth:`SpillDedupe.add` through :attr:`SpillDedupe.recorder`): each digest lookup gets an
+   *ordinal* (0, 1, 2, ... in call order). ``(digest, ordinal)`` goes into sorted runs spilled to files of
+   ``chunk`` records. The value handed back is the ordinal, a stand-in: pass 1 only validates.
+2. Between passes (:meth:`SpillDedupe.replay`): a merge of the runs groups equal digests. For each digest
+   seen more than once it emits events keyed by ordinal: the first ordinal is a *source*, later ones are
+   *duplicates* of it (the last one flagged, so its source can be forgotten). The events are sorted by
+   ordinal (spilling again when there are many).
+3. Pass 2 (:class:`DedupeReplay`): lookups arrive in the same order. An ordinal without an event is a new
+   task (the next index); a source is a new task whose index is kept until its last duplicate; a duplicate
+   takes its source's index. This is exactly what the one-pass table computes.
+
+Memory: ``chunk`` buffered records (~50 bytes each) in pass 1; in pass 2, one read buffer per run file
+plus the indices of sources whose duplicates are still ahead, so it grows only with duplicated rows, never
+with distinct ones. Disk: 16 bytes per lookup in a private temporary folder, removed on :meth:`close`.
+
+Safety: pass 2 must see the lookups pass 1 saw. A running BLAKE2b over the digest sequence is compared at
+:meth:`DedupeReplay.finish`; a longer or different second pass raises :class:`InputError` (the input
+changed between the passes). Nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import shutil
+import tempfile
+from array import array
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from gym_ray.errors import InputError, InternalError
+
+__all__ = ["DedupeReplay", "SpillDedupe"]
+
+_ORDINAL_BITS = 40  # a trillion lookups per pass
+_ORDINAL_MASK = (1 << _ORDINAL_BITS) - 1
+_U64_MASK = (1 << 64) - 1
+_SOURCE, _DUPLICATE, _LAST_DUPLICATE = 0, 1, 2
+_READ_BLOCK = 1024  # records read per run file at a time (16 KiB)
+_FAN_IN = 64  # run files merged at once: bounds open files and read buffers (1 MiB)
+_CHANGED = (
+    "the input changed between the validation pass and the planning pass ({detail}); "
+    "do not edit the input file while a run is being planned, then run again"
+)
+
+
+def _u64_typecode() -> str:
+    return next(code for code in "LQ" if array(code).itemsize == 8)
+
+
+_U64 = _u64_typecode()
+
+
+class _Spiller:
+    """An external sort of non-negative ints below 2**128: buffer, spill sorted runs, merge on read."""
+
+    def __init__(self, folder: Path, name: str, chunk: int) -> None:
+        self._folder, self._name, self._chunk = folder, name, chunk
+        self._buffer: list[int] = []
+        self._runs: list[Path] = []
+        self._written = 0
+
+    def add(self, value: int) -> None:
+        self._buffer.append(value)
+        if len(self._buffer) >= self._chunk:
+            self._spill()
+
+    def _spill(self) -> None:
+        self._buffer.sort()
+        self._runs.append(self._write_run(self._buffer))
+        self._buffer = []
+
+    def _write_run(self, values: Iterable[int]) -> Path:
+        path = self._folder / f"{self._name}-{self._written:06d}.run"
+        self._written += 1
+        with path.open("wb") as out:
+            words = array(_U64)
+            for value in values:
+                words.append(value >> 64)
+                words.append(value & _U64_MASK)
+                if len(words) >= 2 * _READ_BLOCK:
+                    words.tofile(out)
+                    words = array(_U64)
+            words.tofile(out)
+        return path
+
+    def sorted(self) -> Iterator[int]:
+        """Every value added, ascending (duplicates kept). Call once, after the last :meth:`add`."""
+        if not self._runs:
+            values, self._buffer = self._buffer, []
+            values.sort()
+            return iter(values)
+        if self._buffer:
+            self._spill()
+        while len(self._runs) > _FAN_IN:  # merge in rounds: at most _FAN_IN files open at once
+            group, self._runs = self._runs[:_FAN_IN], self._runs[_FAN_IN:]
+            self._runs.append(self._write_run(heapq.merge(*(_read_run(path) for path in group))))
+            for path in group:
+                path.unlink()
+        return heapq.merge(*(_read_run(path) for path in self._runs))
+
+
+def _read_run(path: Path) -> Iterator[int]:
+    with path.open("rb") as src:
+        while True:
+            words = array(_U64)
+            try:
+                words.fromfile(src, 2 * _READ_BLOCK)
+            except EOFError:
+                pass  # the last, shorter block: fromfile keeps what it read
+            if not words:
+                return
+            for i in range(0, len(words), 2):
+                yield (words[i] << 64) | words[i + 1]
+
+
+class SpillDedupe:
+    """Pass 1 of the two-pass dedupe, and the owner of its temporary folder.
+
+    Use as a context manager (or call :meth:`close`); the folder goes away on exit.
+
+    Args:
+        chunk: Records buffered before a sorted run is written (memory vs. number of run files).
+        folder: Where the temporary folder is created (default: the system's, ``TMPDIR`` honoured).
+    """
+
+    def __init__(self, *, chunk: int = 1 << 16, folder: str | None = None) -> None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise InternalError(f"SpillDedupe chunk must be an int >= 1, got {chunk!r}")
+        self._chunk = chunk
+        self._folder = Path(tempfile.mkdtemp(prefix="gym_ray-dedupe-", dir=folder))
+        self._records = _Spiller(self._folder, "digests", chunk)
+        self._sequence = hashlib.blake2b(digest_size=16)
+        self._ordinals = 0
+        self._replayed = False
+
+    def __enter__(self) -> SpillDedupe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the temporary folder (idempotent)."""
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    @property
+    def lookups(self) -> int:
+        """Digests looked up in pass 1 so far."""
+        return self._ordinals
+
+    def add(self, key: int) -> int:
+        """Record one digest lookup of pass 1; return its ordinal (a stand-in for the task index).
+
+        Raises:
+            InternalError: ``key`` is not an int in ``[0, 2**64)``, or :meth:`replay` was already called.
+        """
+        if type(key) is not int or not 0 <= key <= _U64_MASK:
+            raise InternalError(f"dedupe keys are ints in [0, 2**64), got {key!r}")
+        if self._replayed:
+            raise InternalError("SpillDedupe.add after replay(): pass 1 is over")
+        ordinal = self._ordinals
+        if ordinal > _ORDINAL_MASK:
+            raise InternalError(f"more than 2**{_ORDINAL_BITS} rows in one run")
+        self._ordinals = ordinal + 1
+        self._sequence.update(key.to_bytes(8, "little"))
+        self._records.add((key << _ORDINAL_BITS) | ordinal)
+        return ordinal
+
+    def replay(self) -> DedupeReplay:
+        """End pass 1: find the duplicates and return the lookup table for pass 2."""
+        if self._replayed:
+            raise InternalError("SpillDedupe.replay() called twice")
+        self._replayed = True
+        events = _Spiller(self._folder, "events", self._chunk)
+        for source, duplicates in _groups(self._records.sorted()):
+            events.add(_event(source, _SOURCE, 0))
+            for ordinal in duplicates[:-1]:
+                events.add(_event(ordinal, _DUPLICATE, source))
+            events.add(_event(duplicates[-1], _LAST_DUPLICATE, source))
+        return DedupeReplay(events.sorted(), lookups=self._ordinals, sequence=self._sequence.copy())
+
+
+def _event(ordinal: int, kind: int, source: int) -> int:
+    return (ordinal << (_ORDINAL_BITS + 2)) | (kind << _ORDINAL_BITS) | source
+
+
+def _groups(records: Iterable[int]) -> Iterator[tuple[int, list[int]]]:
+    """``(first ordinal, later ordinals)`` for every digest that occurs more than once.
+
+    ``records`` are ``digest << 40 | ordinal`` ascending, so equal digests are adjacent, ordinals ascending.
+    Only one group's ordinals are held at a time.
+    """
+    current: int | None = None
+    ordinals: list[int] = []
+    for record in records:
+        digest, ordinal = record >> _ORDINAL_BITS, record & _ORDINAL_MASK
+        if digest != current:
+            if len(ordinals) > 1:
+                yield ordinals[0], ordinals[1:]
+            current, ordinals = digest, [ordinal]
+        else:
+            ordinals.append(ordinal)
+    if len(ordinals) > 1:
+        yield ordinals[0], ordinals[1:]
+
+
+class DedupeReplay:
+    """Pass 2: task indices for the lookups pass 1 recorded, in the same order.
+
+    ``add(key)`` returns what :meth:`CompactIndex.add <gym_ray.plan._compact_index.CompactIndex.add>`
+    would have returned for the same sequence of keys.
+    """
+
+    def __init__(self, events: Iterator[int], *, lookups: int, sequence: hashlib.blake2b) -> None:
+        self._events = events
+        self._next_event = next(events, None)
+        self._lookups = lookups
+        self._expected = sequence.digest()
+        self._sequence = hashlib.blake2b(digest_size=16)
+        self._ordinal = 0
+        self._next_task = 0
+        self._open: dict[int, int] = {}  # source ordinal -> task index, while duplicates are ahead
+
+    def add(self, key: int) -> int:
+        """The task index of the next lookup.
+
+        Raises:
+            InputError: More lookups than pass 1 made (the input changed between the passes).
+        """
+        ordinal = self._ordinal
+        if ordinal >= self._lookups:
+            raise InputError(_CHANGED.format(detail=f"more than {self._lookups} rows to number"), row=None)
+        self._ordinal = ordinal + 1
+        self._sequence.update(key.to_bytes(8, "little"))
+        event = self._next_event
+        if event is None or event >> (_ORDINAL_BITS + 2) != ordinal:
+            task = self._next_task
+            self._next_task += 1
+            return task
+        self._next_event = next(self._events, None)
+        kind, source = (event >> _ORDINAL_BITS) & 3, event & _ORDINAL_MASK
+        if kind == _SOURCE:
+            task = self._next_task
+            self._next_task += 1
+            self._open[ordinal] = task
+            return task
+        return self._open.pop(source) if kind == _LAST_DUPLICATE else self._open[source]
+
+    @property
+    def tasks(self) -> int:
+        """Distinct tasks numbered so far."""
+        return self._next_task
+
+    def finish(self) -> None:
+        """Check that pass 2 made exactly pass 1's lookups, in order.
+
+        Raises:
+            InputError: The passes differ (the input changed in between).
+        """
+        if self._ordinal != self._lookups:
+            raise InputError(
+                _CHANGED.format(detail=f"{self._ordinal} rows numbered, {self._lookups} validated"), row=None
+            )
+        if self._sequence.digest() != self._expected:
+            raise InputError(_CHANGED.format(detail="the rows' contents differ"), row=None)

@@ -1,0 +1,88 @@
+"""Reading an input file: JSONL rows streamed and checked line by line (PROTOCOL.md section 4).
+
+``load_jsonl`` holds one line at a time; every problem is an :class:`~gym_ray.errors.InputError` naming the
+file and the 1-based line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+from gym_ray.errors import InputError
+from gym_ray.plan.rows import (
+    Row,
+    shape_problem,
+)
+
+# The row checks moved to gym_ray.plan.validation and gym_ray.plan.rows; they stay importable from here.
+__all__ = ["MAX_LINE_BYTES", "load_jsonl"]
+
+
+#: Longest accepted input line, in bytes (without its newline).
+MAX_LINE_BYTES = 64 * 1024 * 1024
+
+
+def load_jsonl(path: str | os.PathLike[str], *, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Row]:
+    """Stream the rows of a JSONL input file, checking each line as it is read.
+
+    Every line must be one JSON object in UTF-8: a flat row with ``responses_create_params`` or a
+    materialized task row (``task_id: {taskset, task_id}`` and ``task_input``). A UTF-8 BOM on the first
+    line is accepted. Only one line is held in memory at a time.
+
+    Args:
+        path: The JSONL file.
+        max_line_bytes: Longest accepted line in bytes, without its newline (default 64 MiB).
+
+    Yields:
+        Each row, in file order.
+
+    Raises:
+        InputError: The file is missing or unreadable, or a line is blank, malformed JSON, not an object,
+            not UTF-8, longer than ``max_line_bytes``, or not a valid row. The message and the error's
+            ``path``/``line`` attributes give the file and the 1-based line. Raised while iterating, so a
+            caller that dispatches only after it has read the whole input dispatches nothing.
+
+    Example:
+        >>> rows = list(load_jsonl("tasks.jsonl"))  # doctest: +SKIP
+    """
+    name = os.fspath(path)
+    try:
+        handle = open(name, "rb")  # closed by the with below
+    except OSError as exc:
+        raise InputError(f"cannot open input file '{name}': {exc.strerror}", path=name) from exc
+    with handle:
+        line_no = 0
+        while True:
+            raw = handle.readline(max_line_bytes + 1)
+            if not raw:
+                return
+            line_no += 1
+            content = raw[:-1] if raw.endswith(b"\n") else raw
+
+            def fail(what: str, line: int = line_no) -> InputError:
+                return InputError(f"{name}, line {line}: {what}", path=name, line=line)
+
+            if len(content) > max_line_bytes:
+                raise fail(
+                    f"line is longer than max_line_bytes={max_line_bytes}; split the row or raise the limit"
+                )
+            try:
+                text = content.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise fail(
+                    f"not valid UTF-8 (byte 0x{content[exc.start]:02x} at offset {exc.start}); "
+                    "re-encode the file as UTF-8"
+                ) from exc
+            if not text.strip():
+                raise fail("blank line; every line must hold one JSON object (remove the blank line)")
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as exc:
+                excerpt = text.strip()[:80]
+                raise fail(f"malformed JSON ({exc.msg} at column {exc.colno}): {excerpt!r}") from exc
+            problem = shape_problem(row)
+            if problem is not None:
+                raise fail(f"the row {problem}")
+            yield row

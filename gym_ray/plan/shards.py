@@ -1,0 +1,552 @@
+"""Planning a run folder: cut validated, preprocessed rows into shards and write them to disk.
+
+Durability promises (see RELIABILITY.md):
+
+- Planning validates every row before anything is written to the run folder or dispatched
+  (:func:`prepare_run`, :func:`iter_prepare_run`: a whole validation pass comes first), so bad input never
+  leaves a half-written run folder. :func:`plan_run` on its own is all or nothing too: shards are cut into
+  a staging folder and moved into place only when the whole input was read.
+- Lazy planning (:func:`iter_plan`, :func:`iter_prepare_run`): after validation, each shard is committed
+  (materialized inputs, then its manifest) and yielded as soon as it is cut, so the Ray driver hands out
+  shard ``i`` while later shards are still being cut. The run manifest is written before the first shard
+  (run id, config identity; shard count unknown) and completed after the last. A kill mid-planning
+  leaves committed shards that a rerun verifies by digest and keeps.
+- Planning is deterministic: the same input and settings cut the same shards. A rerun on the same folder
+  re-plans, checks that every existing shard's materialized inputs are byte-identical to the new cut (else
+  :class:`~gym_ray.errors.ResumeError`), and keeps them; only what is missing is dispatched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from gym_ray import keys
+from gym_ray.config.settings import RunSettings
+from gym_ray.config.topology import Topology
+from gym_ray.errors import GymRayError, ResumeError, UsageError
+from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
+from gym_ray.plan.load import load_jsonl
+from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
+from gym_ray.plan.validation import validate_rows
+from gym_ray.record.atomic import atomic_write_bytes
+from gym_ray.record.manifest import ShardManifest
+from gym_ray.record.writer import ShardWriter
+
+RUN_MANIFEST = "run_manifest.json"
+DEFAULT_SHARD_SIZE = 1000
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A unit of work: one shard of a run folder, already planned on disk."""
+
+    run_dir: str
+    shard: str
+    run_id: str
+    config_identity: str | None
+    num_rows: int
+    run_rows: int | None = None
+    """Rows of the whole run when known (counted by the validation pass); None otherwise."""
+
+
+class RunPlan(BaseModel):
+    """The planned shards of a run folder."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_dir: str
+    run_id: str
+    config_identity: str | None
+    planned: int
+    shards: tuple[ShardSpec, ...]
+    resumed: bool
+
+
+# --------------------------------------------------------------------------------------------------
+# planning
+
+
+def _shard_label(index: int) -> str:
+    return f"{index:05d}"
+
+
+def _row_line(row: Mapping[str, Any]) -> bytes:
+    return (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+def _read_run_manifest(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / RUN_MANIFEST
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ResumeError(
+            f"{path} is not a readable run manifest ({exc}); move the folder aside or pass a new output_dir"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ResumeError(
+            f"{path} does not hold a JSON object; move the folder aside or pass a new output_dir"
+        )
+    return data
+
+
+def _open_run(
+    root: Path, config_identity: str | None, run_id: str | None
+) -> tuple[str, dict[str, Any] | None]:
+    """The run id of ``root`` (kept from its run manifest on resume) and that manifest, if any."""
+    existing = _read_run_manifest(root)
+    if existing is not None:
+        old_identity = existing.get("config_identity")
+        if old_identity and config_identity and old_identity != config_identity:
+            raise ResumeError(
+                f"{root} was collected with another configuration (identity {old_identity[:12]}..., now "
+                f"{config_identity[:12]}...): servers, routing or sampling settings changed. Resume with the "
+                "config that started the run, or pass a new output_dir"
+            )
+        run_id = str(existing["run_id"])
+    return run_id or uuid.uuid4().hex[:12], existing
+
+
+def _write_run_manifest(
+    root: Path,
+    existing: dict[str, Any] | None,
+    *,
+    run_id: str,
+    config_identity: str | None,
+    shard_size: int,
+    num_shards: int | None,
+    planned: int | None,
+) -> None:
+    manifest = {
+        "run_id": run_id,
+        "config_identity": config_identity,
+        "num_shards": num_shards,
+        "planned": planned,
+        "shard_size": shard_size,
+        "created_at": existing.get("created_at") if existing else time.time(),
+    }
+    atomic_write_bytes(root / RUN_MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+
+
+def _shard_size(shard_size: int | None) -> int:
+    size = shard_size or DEFAULT_SHARD_SIZE
+    if size < 1:
+        raise UsageError(f"shard_size must be >= 1, got {size}")
+    return size
+
+
+def plan_run(
+    rows: Iterable[dict[str, Any]],
+    run_dir: str | os.PathLike[str],
+    *,
+    config_identity: str | None,
+    shard_size: int | None = None,
+    max_rollout_attempts: int = 3,
+    run_id: str | None = None,
+) -> RunPlan:
+    """Cut preprocessed, validated rows into shards of contiguous rows and write them to ``run_dir``.
+
+    A task's rollouts stay in one shard when they are contiguous in ``rows`` (``preprocess_examples``
+    emits them so unless ``interleave_repeats`` is set). Memory holds one shard at a time. All or nothing:
+    every shard is cut into a staging folder first and moved into place once the whole input was read
+    (:func:`iter_plan` is the lazy form, for input already validated).
+
+    Args:
+        rows: Preprocessed rows carrying ``_ng_task_index`` and ``_ng_rollout_index``. Validation errors
+            raised while iterating leave the run folder untouched.
+        run_dir: The run folder; created if missing.
+        config_identity: Digest of the config that decides results (``Topology.identity_digest``).
+        shard_size: Rows per shard (cut at the next task boundary after this many rows).
+        max_rollout_attempts: Recorded in each shard manifest.
+        run_id: A fresh run's id; ignored when the folder already holds a run (its id is kept).
+
+    Returns:
+        The plan: one :class:`ShardSpec` per shard, in input order.
+
+    Raises:
+        ResumeError: The folder holds a run whose config identity or inputs differ from these.
+    """
+    size = _shard_size(shard_size)
+    root = Path(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    run_id, existing = _open_run(root, config_identity, run_id)
+    expected = existing.get("num_shards") if existing else None
+    staging = root / f".staging-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        staged = list(_stage_shards(rows, staging, size))
+        if expected is not None and expected != len(staged):
+            raise _shard_count_error(root, expected, len(staged))
+        specs = [
+            _commit_shard(
+                item,
+                staging,
+                root,
+                run_id=run_id,
+                config_identity=config_identity,
+                max_rollout_attempts=max_rollout_attempts,
+            )
+            for item in staged
+        ]
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    planned = sum(spec.num_rows for spec in specs)
+    _write_run_manifest(
+        root,
+        existing,
+        run_id=run_id,
+        config_identity=config_identity,
+        shard_size=size,
+        num_shards=len(specs),
+        planned=planned,
+    )
+    return RunPlan(
+        run_dir=str(root),
+        run_id=run_id,
+        config_identity=config_identity,
+        planned=planned,
+        shards=tuple(specs),
+        resumed=existing is not None,
+    )
+
+
+def iter_plan(
+    rows: Iterable[dict[str, Any]],
+    run_dir: str | os.PathLike[str],
+    *,
+    config_identity: str | None,
+    shard_size: int | None = None,
+    max_rollout_attempts: int = 3,
+    run_id: str | None = None,
+    run_rows: int | None = None,
+) -> Generator[ShardSpec, None, None]:
+    """Cut rows into shards like :func:`plan_run`, committing and yielding each shard as soon as it is cut.
+
+    For rows that were validated already (:func:`iter_prepare_run`): a consumer can dispatch shard ``i``
+    while shard ``i + 1`` is being cut, and memory holds one shard's digest state, never the plan.
+    Before the first shard the run manifest is written with ``num_shards``/``planned`` null (so the run
+    id survives a kill during planning); after the last shard it is rewritten with the totals. On resume
+    each existing shard is checked against the new cut (digest of its materialized inputs) before it is
+    yielded; a shard count that differs from the finished manifest's raises when it shows.
+
+    Args:
+        rows: Preprocessed, validated rows (see :func:`plan_run`).
+        run_dir: The run folder; created if missing.
+        config_identity: Digest of the config that decides results.
+        shard_size: Rows per shard (cut at the next task boundary after this many rows).
+        max_rollout_attempts: Recorded in each shard manifest.
+        run_id: A fresh run's id; ignored when the folder already holds a run.
+        run_rows: The run's total rows when known (copied onto every :class:`ShardSpec`).
+
+    Yields:
+        One committed :class:`ShardSpec` per shard, in input order.
+
+    Raises:
+        ResumeError: The folder holds a run whose config identity, inputs or shard count differ.
+    """
+    size = _shard_size(shard_size)
+    root = Path(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    run_id, existing = _open_run(root, config_identity, run_id)
+    expected = existing.get("num_shards") if existing else None
+    if existing is None:
+        _write_run_manifest(
+            root,
+            None,
+            run_id=run_id,
+            config_identity=config_identity,
+            shard_size=size,
+            num_shards=None,
+            planned=None,
+        )
+    staging = root / f".staging-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    count = planned = 0
+    try:
+        for item in _stage_shards(rows, staging, size):
+            if expected is not None and count >= expected:
+                raise _shard_count_error(root, expected, f"more than {expected}")
+            spec = _commit_shard(
+                item,
+                staging,
+                root,
+                run_id=run_id,
+                config_identity=config_identity,
+                max_rollout_attempts=max_rollout_attempts,
+                run_rows=run_rows,
+            )
+            count += 1
+            planned += spec.num_rows
+            yield spec
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if expected is not None and expected != count:
+        raise _shard_count_error(root, expected, count)
+    _write_run_manifest(
+        root,
+        existing,
+        run_id=run_id,
+        config_identity=config_identity,
+        shard_size=size,
+        num_shards=count,
+        planned=planned,
+    )
+
+
+def _shard_count_error(root: Path, expected: int, got: int | str) -> ResumeError:
+    return ResumeError(
+        f"{root} holds a run of {expected} shards, but these inputs cut into {got}: the input rows or "
+        "shard_size changed. Resume with the same inputs and shard_size, or pass a new output_dir"
+    )
+
+
+def _stage_shards(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Iterator[tuple[str, int, str]]:
+    """Write each shard's rows to ``staging``; yields (label, rows, sha256) once a shard is closed."""
+    index = 0
+    count = 0
+    last_task: Any = object()
+    digest = hashlib.sha256()
+    out = None
+    try:
+        for position, row in enumerate(rows):
+            task = row.get(keys.TASK_INDEX)
+            if out is not None and count >= size and task != last_task:
+                out.close()
+                out = None
+                yield (_shard_label(index), count, digest.hexdigest())
+                index, count = index + 1, 0
+            if out is None:
+                out = open(staging / f"{_shard_label(index)}.jsonl", "wb")
+                digest = hashlib.sha256()
+            if not isinstance(task, int) or not isinstance(row.get(keys.ROLLOUT_INDEX), int):
+                raise UsageError(
+                    f"row {position} has no integer {keys.TASK_INDEX}/{keys.ROLLOUT_INDEX}; "
+                    "pass rows through preprocess_examples before planning a run"
+                )
+            line = _row_line(row)
+            out.write(line)
+            digest.update(line)
+            count += 1
+            last_task = task
+        if out is not None:
+            out.close()
+            out = None
+            yield (_shard_label(index), count, digest.hexdigest())
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _commit_shard(
+    staged: tuple[str, int, str],
+    staging: Path,
+    root: Path,
+    *,
+    run_id: str,
+    config_identity: str | None,
+    max_rollout_attempts: int,
+    run_rows: int | None = None,
+) -> ShardSpec:
+    """Move one staged shard into place (or, on resume, check the existing one is identical)."""
+    label, num_rows, digest = staged
+    writer = ShardWriter(root, label, run_id=run_id, config_identity=config_identity)
+    inputs_path = writer.paths.materialized_inputs
+    staged_path = staging / f"{label}.jsonl"
+    if inputs_path.exists():
+        if _file_sha256(inputs_path) != digest:
+            raise ResumeError(
+                f"shard {label} of {root} was planned from other inputs ({inputs_path} differs from "
+                "the rows these inputs give): resume with the same input file and settings, or pass a "
+                "new output_dir"
+            )
+        staged_path.unlink(missing_ok=True)
+    else:
+        inputs_path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged_path, inputs_path)
+        with writer:
+            writer.write_manifest(
+                ShardManifest.build(
+                    run_id=run_id,
+                    shard=label,
+                    config_identity=config_identity,
+                    inputs_path=inputs_path,
+                    max_rollout_attempts=max_rollout_attempts,
+                )
+            )
+    return ShardSpec(
+        run_dir=str(root),
+        shard=label,
+        run_id=run_id,
+        config_identity=config_identity,
+        num_rows=num_rows,
+        run_rows=run_rows,
+    )
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def input_rows(
+    settings: RunSettings,
+    topology: Topology,
+    rows: Iterable[Mapping[str, Any]] | None = None,
+) -> Callable[..., Iterator[dict[str, Any]]]:
+    """A re-iterable source of the run's preprocessed rows (the input is read once per call).
+
+    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``. The
+    returned callable takes an optional ``task_numbering`` (see
+    :func:`gym_ray.plan.preprocess.iter_preprocess`).
+    """
+    if rows is None:
+        if settings.input_jsonl_fpath is None:
+            raise UsageError(
+                "no input rows: set input_jsonl_fpath in the config (+input_jsonl_fpath=rows.jsonl) "
+                "or pass rows"
+            )
+        path = settings.input_jsonl_fpath
+
+        def source() -> Iterable[Mapping[str, Any]]:
+            return load_jsonl(path)
+    else:
+        if iter(rows) is rows:
+            raise UsageError("rows must be a re-iterable collection (a list), not a one-shot iterator")
+        fixed = rows
+
+        def source() -> Iterable[Mapping[str, Any]]:
+            return fixed
+
+    def preprocessed(task_numbering: TaskNumbering | None = None) -> Iterator[dict[str, Any]]:
+        return iter_preprocess(
+            source(),
+            agent_map=settings.agent_map,
+            fan_out=settings.fan_out,
+            num_repeats=settings.num_repeats,
+            num_repeats_add_seed=settings.num_repeats_add_seed,
+            interleave_repeats=settings.interleave_repeats,
+            task_ids=settings.task_ids,
+            responses_create_params=settings.responses_create_params,
+            topology=topology,
+            task_numbering=task_numbering,
+        )
+
+    return preprocessed
+
+
+def prepare_run(
+    cfg: dict[str, Any],
+    topology: Topology,
+    *,
+    rows: Iterable[Mapping[str, Any]] | None = None,
+) -> RunPlan:
+    """Validate every input row against the config, then plan the whole run folder (no dispatch).
+
+    :func:`iter_prepare_run` consumed to the end: two streaming passes over the input, the first
+    validates (every problem reported together, before anything is written), the second cuts and writes
+    shards. Memory holds the small shard specs, never rows.
+    """
+    root = Path(_output_dir(cfg))
+    resumed = (root / RUN_MANIFEST).exists()
+    specs = tuple(iter_prepare_run(cfg, topology, rows=rows))
+    manifest = _read_run_manifest(root) or {}
+    return RunPlan(
+        run_dir=str(root),
+        run_id=str(manifest.get("run_id", specs[0].run_id if specs else "")),
+        config_identity=topology.identity_digest(),
+        planned=sum(spec.num_rows for spec in specs),
+        shards=specs,
+        resumed=resumed,
+    )
+
+
+def iter_prepare_run(
+    cfg: dict[str, Any],
+    topology: Topology,
+    *,
+    rows: Iterable[Mapping[str, Any]] | None = None,
+) -> Generator[ShardSpec, None, None]:
+    """Validate every input row, then plan the run folder lazily: yield each shard once it is committed.
+
+    The validation pass runs on the first ``next()`` and reads the whole input (nothing is written
+    before every row is validated; it also counts the rows, carried as ``ShardSpec.run_rows``). Then
+    :func:`iter_plan` cuts, writes and yields one shard at a time, so a consumer hands out shard ``i``
+    while the rest of the input is still being cut. Resume works as with :func:`prepare_run`.
+
+    Memory does not grow with the number of distinct tasks: the validation pass records each row's content
+    digest in sorted runs in a temporary folder (16 bytes per row on disk), and the planning pass numbers
+    identical rows from that (:mod:`gym_ray.plan._spill_dedupe`). With ``task_ids`` or
+    ``interleave_repeats`` both passes number tasks in memory instead.
+
+    Raises:
+        UsageError: No ``output_dir`` or no input.
+        RoutingError / ValidationError: From the validation pass (before anything is written).
+        InputError: The input changed between the validation pass and the planning pass.
+        ResumeError: The run folder holds another run (see :func:`iter_plan`).
+    """
+    settings = RunSettings.from_config(cfg)
+    output_dir = _output_dir(cfg)
+    source = input_rows(settings, topology, rows)
+    counted = 0
+
+    def counting(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        nonlocal counted
+        counted = 0
+        for row in rows:
+            counted += 1
+            yield row
+
+    def plan(rows: Iterator[dict[str, Any]]) -> Iterator[ShardSpec]:
+        return iter_plan(
+            rows,
+            output_dir,
+            config_identity=topology.identity_digest(),
+            shard_size=settings.shard_size,
+            max_rollout_attempts=settings.max_rollout_attempts,
+            run_rows=counted,
+        )
+
+    if settings.task_ids is not None or settings.interleave_repeats:
+        # task_ids selects by task index, which the validation pass must then know exactly, and
+        # interleaving buffers the whole output anyway: number tasks in memory in both passes.
+        validate_rows(counting(source()), topology)
+        yield from plan(source())
+        return
+    with SpillDedupe() as dedupe:
+        try:
+            validate_rows(counting(source(dedupe)), topology)
+        except GymRayError:
+            # The first pass numbers tasks with stand-ins; redo it with exact numbers so the error names
+            # each row by its real task index (failing runs only).
+            validate_rows(counting(source()), topology)
+            raise
+        replay = dedupe.replay()
+        yield from plan(_checked(source(replay), replay))
+
+
+def _checked(rows: Iterator[dict[str, Any]], replay: DedupeReplay) -> Iterator[dict[str, Any]]:
+    """``rows``, then the check that the second pass numbered what the first pass saw."""
+    yield from rows
+    replay.finish()
+
+
+def _output_dir(cfg: Mapping[str, Any]) -> str:
+    output_dir = RunSettings.from_config(cfg).output_dir
+    if output_dir is None:
+        raise UsageError("no output folder: set output_dir in the config (+output_dir=runs/r1)")
+    return str(output_dir)

@@ -1,0 +1,563 @@
+"""Merge a run's shards into ``rollouts.jsonl`` and ``rollouts_failures.jsonl`` (PROTOCOL.md section 5).
+
+Order and deduplication (the merged files are what users consume, so each identity appears once):
+
+- Both files are ordered by ``(task, rollout, attempt)``; ties keep shard-label order, then file order.
+- ``rollouts.jsonl``: exactly one success per ``(task, rollout)``: the first in that order (the lowest
+  attempt index). Further successes of the same identity are dropped and counted.
+- ``rollouts_failures.jsonl``: for identities *without* a success, every failure attempt, one line per
+  ``(task, rollout, attempt)`` (a repeated attempt index is a duplicate and is dropped).
+  ``MergeResult.terminal_failures`` counts the identities among them with a terminal failure. Failures of an
+  identity that has a success are superseded and dropped; they stay in the shard sidecars.
+- Omitted rows (``_ng_no_persist``, present only under ``record_omitted_rollouts``) are not outcomes and
+  are left out. Corrupt lines and torn tails are skipped and counted.
+
+Each merged line is the shard's line byte for byte (plus ``\n`` when a last line had lost it); records
+are parsed only to check them and to read their top-level keys, never re-encoded.
+
+Memory is bounded by one shard (a unit of work), not by the run: each shard is sorted in memory into a
+temp file under ``<run_dir>/.merge-*``, then the sorted files are heap-merged as streams (in several
+passes when there are more than ``fan_in`` shards, to bound open files). Each temp line starts with an
+order-preserving text encoding of its sort key, so sorting and heap-merging compare plain bytes.
+
+Concurrency: the per-shard parse+sort is independent per shard. With at least two shards and more than
+``pool_min_bytes`` of shard data it runs in a ``spawn`` process pool of ``min(workers, shards)`` processes
+(each holds one shard at a time, so each is bounded by one shard too); otherwise in this process. The pool
+is owned by the call and shut down (its processes joined) before it returns or raises; only the
+interpreter-wide multiprocessing resource tracker, started on first use, outlives it. Either way the
+results are taken in shard order, so the output bytes, counts and the error raised (the first failing
+shard's, with the same type and message) are the same as in-process.
+
+Durability: each output is written to a temp file, fsynced and renamed into place, so a reader sees the
+old or the new file, never a partial one. The two files are replaced one after the other (failures first),
+not together. Merging reads the shard files without taking their locks: merge a run once its writers are
+done.
+"""
+
+from __future__ import annotations
+
+import binascii
+import concurrent.futures
+import contextlib
+import heapq
+import itertools
+import multiprocessing
+import os
+import re
+import stat
+import struct
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+from pydantic_core import from_json
+
+from gym_ray import keys
+from gym_ray.errors import ConfigError, InputError, RecordError
+from gym_ray.record.atomic import atomic_writer
+from gym_ray.record.jsonl import parse_record
+from gym_ray.record.shard_files import list_shards, shard_paths
+
+if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
+__all__ = ["POOL_MIN_BYTES", "MergeResult", "merge_shards"]
+
+_SUCCESS, _FAILURE = 0, 1
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_READ_CHUNK = 1 << 20
+_RUN_BUFFER = 1 << 18
+_WRITE_BATCH = 4096
+#: Default ``pool_min_bytes``: below this much shard data, starting worker processes (each imports gym_ray,
+#: about half a second) costs more than sorting in this process saves.
+POOL_MIN_BYTES = 32 << 20
+# A temp line is the hex of (task, rollout, kind, attempt, shard number, sequence in shard, terminal)
+# followed by the shard's line. task, rollout and attempt take ``width`` hex digits each, offset by half
+# the range so that negative values sort first; kind (0 = success, 1 = failure) and the terminal flag take
+# 2, the shard number 8 and the sequence 16. Fixed widths make byte order equal key order; the terminal
+# flag after the unique (shard, sequence) pair never decides an order. Width 16 (signed 64-bit values)
+# is packed by _KEY16; a wider value restarts the merge with a wider layout (_WidthExceeded).
+_WIDTH = 16
+_OFFSET = 1 << 63
+_KEY16 = struct.Struct(">QQBQIQB")
+_SHARD_SEQ_DIGITS = 24
+
+
+class _Run(NamedTuple):
+    """A sorted temp file with its first and last (smallest and largest) line."""
+
+    path: Path
+    first: bytes
+    last: bytes
+
+
+class _Sorted(NamedTuple):
+    """What sorting one shard produced: its run (None if it kept no line) and what it skipped."""
+
+    run: _Run | None
+    corrupt: int
+    omitted: int
+
+
+class _WidthExceeded(Exception):
+    """A task/rollout/attempt index needs more hex digits than the current layout has."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__(needed)
+        self.needed = needed
+
+
+class MergeResult(BaseModel):
+    """What :func:`merge_shards` wrote and dropped."""
+
+    model_config = ConfigDict(frozen=True)
+
+    successes_path: Path
+    failures_path: Path
+    shards: tuple[str, ...]
+    successes: int
+    failures: int
+    terminal_failures: int
+    duplicate_successes_dropped: int
+    superseded_failures_dropped: int
+    duplicate_failures_dropped: int
+    omitted_rows_skipped: int
+    corrupt_lines: int
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.successes = 0
+        self.failures = 0
+        self.terminal = 0
+        self.duplicate_successes = 0
+        self.superseded_failures = 0
+        self.duplicate_failures = 0
+        self.omitted = 0
+        self.corrupt = 0
+
+
+def merge_shards(
+    run_dir: str | os.PathLike[str],
+    *,
+    output_prefix: str = "rollouts",
+    fan_in: int = 64,
+    workers: int | None = None,
+    pool_min_bytes: int = POOL_MIN_BYTES,
+) -> MergeResult:
+    """Merge every shard of ``run_dir`` into ``<prefix>.jsonl`` and ``<prefix>_failures.jsonl``.
+
+    See the module docstring for the order, deduplication, durability and concurrency rules. The output
+    bytes and counts do not depend on ``workers`` or ``pool_min_bytes``.
+
+    Args:
+        run_dir: The run folder.
+        output_prefix: Stem of the merged files (``[A-Za-z0-9._-]``).
+        fan_in: Most sorted shard files merged at once (>= 2).
+        workers: Most processes sorting shards at once (>= 1); None means the CPUs this process may use.
+            A pool of ``min(workers, shards)`` processes is used only when that is >= 2 and the shards
+            hold more than ``pool_min_bytes``; otherwise shards are sorted in this process.
+        pool_min_bytes: Shard bytes (>= 0) above which a process pool is worth its start-up cost.
+
+    Returns:
+        Paths and counts.
+
+    Raises:
+        InputError: The folder has no shards, or a record has no integer ``_ng_task_index`` /
+            ``_ng_rollout_index`` (names file and line).
+        ConfigError: ``output_prefix``, ``fan_in``, ``workers`` or ``pool_min_bytes`` is invalid.
+        RecordError: Reading or writing failed, or a sorting process died (the merged files are left
+            as they were).
+
+    Example:
+        >>> result = merge_shards("runs/2024-06-01")  # doctest: +SKIP
+        >>> result.successes, result.duplicate_successes_dropped  # doctest: +SKIP
+        (2000, 0)
+    """
+    if (
+        not isinstance(output_prefix, str)
+        or not _PREFIX_RE.match(output_prefix)
+        or ".." in output_prefix
+        or output_prefix.startswith("rollouts-")
+    ):
+        raise ConfigError(
+            f"output_prefix={output_prefix!r} must be a file stem of letters, digits, '.', '_' and '-' "
+            "(no path separators, no '..') that does not start with 'rollouts-' (shard files do); the "
+            "default is 'rollouts'",
+            key="output_prefix",
+        )
+    if type(fan_in) is not int or fan_in < 2:
+        raise ConfigError(f"fan_in={fan_in!r} must be an integer >= 2", key="fan_in")
+    if workers is not None and (type(workers) is not int or workers < 1):
+        raise ConfigError(
+            f"workers={workers!r} must be an integer >= 1 (1 sorts in this process) or None (one per CPU)",
+            key="workers",
+        )
+    if type(pool_min_bytes) is not int or pool_min_bytes < 0:
+        raise ConfigError(
+            f"pool_min_bytes={pool_min_bytes!r} must be an integer >= 0 (0 uses the process pool whenever "
+            "there are >= 2 workers and shards and any shard data)",
+            key="pool_min_bytes",
+        )
+    base = Path(run_dir)
+    shards = list_shards(base)
+    if not shards:
+        raise InputError(
+            f"run folder {base} has no shard files (rollouts-<shard>.*); nothing to merge. Check the path",
+            path=str(base),
+        )
+    successes_path = base / f"{output_prefix}.jsonl"
+    failures_path = base / f"{output_prefix}_failures.jsonl"
+    width = _WIDTH
+    try:
+        with contextlib.ExitStack() as stack:
+            pool: Executor | None = None
+            processes = min(_usable_cpus() if workers is None else workers, len(shards))
+            if processes >= 2 and _shard_bytes(base, shards) > pool_min_bytes:
+                pool = stack.enter_context(
+                    concurrent.futures.ProcessPoolExecutor(
+                        max_workers=processes, mp_context=multiprocessing.get_context("spawn")
+                    )
+                )
+            while True:
+                try:
+                    tally = _merge(base, shards, successes_path, failures_path, fan_in, width, pool)
+                except _WidthExceeded as exc:
+                    width = max(exc.needed, 2 * width)
+                    continue
+                break
+    except OSError as exc:
+        raise RecordError(
+            f"merging the shards of {base} failed ({exc}); the merged files are unchanged"
+        ) from exc
+    except concurrent.futures.BrokenExecutor as exc:
+        raise RecordError(
+            f"merging the shards of {base} failed: a shard-sorting process died ({exc}), e.g. killed for "
+            "memory; the merged files are unchanged. Merge again, with workers=1 to sort in this process"
+        ) from exc
+    return MergeResult(
+        successes_path=successes_path,
+        failures_path=failures_path,
+        shards=tuple(shards),
+        successes=tally.successes,
+        failures=tally.failures,
+        terminal_failures=tally.terminal,
+        duplicate_successes_dropped=tally.duplicate_successes,
+        superseded_failures_dropped=tally.superseded_failures,
+        duplicate_failures_dropped=tally.duplicate_failures,
+        omitted_rows_skipped=tally.omitted,
+        corrupt_lines=tally.corrupt,
+    )
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _shard_bytes(base: Path, shards: list[str]) -> int:
+    """Bytes in the success and failure files of ``shards`` (missing files count 0)."""
+    total = 0
+    for shard in shards:
+        paths = shard_paths(base, shard)
+        for path in (paths.successes, paths.failures):
+            with contextlib.suppress(FileNotFoundError):
+                total += path.stat().st_size
+    return total
+
+
+def _merge(
+    base: Path,
+    shards: list[str],
+    successes_path: Path,
+    failures_path: Path,
+    fan_in: int,
+    width: int,
+    pool: Executor | None,
+) -> _Tally:
+    """One attempt at the merge with indices laid out in ``width`` hex digits.
+
+    Raises:
+        _WidthExceeded: Before any output is touched, when an index needs a wider layout.
+    """
+    tally = _Tally()
+    with tempfile.TemporaryDirectory(dir=base, prefix=".merge-") as tmp:
+        runs: list[_Run] = []
+        for sorted_shard in _sort_shards(base, shards, Path(tmp), width, pool):
+            tally.corrupt += sorted_shard.corrupt
+            tally.omitted += sorted_shard.omitted
+            if sorted_shard.run is not None:
+                runs.append(sorted_shard.run)
+        runs = _reduce_runs(runs, Path(tmp), fan_in)
+        with (
+            _merged(runs) as lines,
+            atomic_writer(successes_path) as out_ok,
+            atomic_writer(failures_path) as out_failed,
+        ):
+            _write_merged(lines, out_ok, out_failed, tally, width)
+    return tally
+
+
+def _sort_shards(
+    base: Path, shards: list[str], tmp: Path, width: int, pool: Executor | None
+) -> list[_Sorted]:
+    """Each shard sorted into ``tmp`` (by ``pool``'s processes if given), in shard order.
+
+    The first failing shard in shard order raises its error. Before this returns or raises, every
+    shard job still queued is cancelled and every running one has finished, so none writes into ``tmp``
+    after it is removed.
+    """
+    if pool is None:
+        return [_sort_shard(base, shard, number, tmp, width) for number, shard in enumerate(shards)]
+    futures = [
+        pool.submit(_sort_shard, base, shard, number, tmp, width) for number, shard in enumerate(shards)
+    ]
+    try:
+        return [future.result() for future in futures]
+    finally:
+        for future in futures:
+            future.cancel()
+        concurrent.futures.wait(futures)
+
+
+def _hex_digits(value: int) -> int:
+    """Hex digits a field needs to hold ``value`` (with a sign bit) in the offset layout."""
+    return (value.bit_length() + 4) // 4
+
+
+def _sort_shard(base: Path, shard: str, number: int, tmp: Path, width: int) -> _Sorted:
+    """Sort one shard's successes and failures into a temp file of key-prefixed lines.
+
+    Runs in this process or in a pool process (its arguments and result are picklable).
+
+    Raises:
+        InputError: A record has no integer task/rollout index (names file and line).
+        _WidthExceeded: An index does not fit in ``width`` hex digits.
+    """
+    pack, hexlify = _KEY16.pack, binascii.hexlify
+    task_key, rollout_key, attempt_key = keys.TASK_INDEX, keys.ROLLOUT_INDEX, keys.ATTEMPT_INDEX
+    no_persist_key, terminal_key = keys.NO_PERSIST, keys.FAILURE_TERMINAL
+    narrow = width == _WIDTH
+    paths = shard_paths(base, shard)
+    entries: list[bytes] = []
+    append = entries.append
+    seq = corrupt = omitted = 0
+    for kind, path in ((_SUCCESS, paths.successes), (_FAILURE, paths.failures)):
+        is_failure = kind == _FAILURE
+        line_no = 0
+        for lines in _file_line_batches(path):
+            for raw in lines:
+                line_no += 1
+                # parse_record's verdict (the JsonlReader rule), faster for the usual line: pydantic-core's
+                # from_json (about twice as fast as json.loads) accepts no line that json.loads rejects
+                # (strict UTF-8, no control characters in strings, no trailing data; NaN/Infinity and
+                # repeated keys read alike) and reads the same values. Lines it rejects that json.loads
+                # accepts (lone surrogate escapes, nesting deeper than its limit) go to parse_record. A
+                # line starting with "{" that parses is an object. Not caching strings only saves time.
+                # tests/test_merge.py checks the equivalence on mutated lines.
+                if raw[:1] == b"{":
+                    try:
+                        record = from_json(raw, cache_strings=False)
+                    except ValueError:
+                        record = parse_record(raw)
+                elif raw.strip():
+                    record = parse_record(raw)
+                else:
+                    continue
+                if record is None:
+                    corrupt += 1
+                    continue
+                if is_failure and record.get(no_persist_key):
+                    omitted += 1
+                    continue
+                task = record.get(task_key)
+                rollout = record.get(rollout_key)
+                if type(task) is not int or type(rollout) is not int:
+                    raise InputError(
+                        f"{path}:{line_no}: record has no integer {task_key}/{rollout_key} (got {task!r}, "
+                        f"{rollout!r}), so it cannot be ordered or deduplicated; fix or remove that line "
+                        "and merge again",
+                        path=str(path),
+                        line=line_no,
+                    )
+                attempt = record.get(attempt_key)
+                if type(attempt) is not int:
+                    attempt = 0
+                terminal = is_failure and record.get(terminal_key) is True
+                seq += 1
+                if narrow:
+                    try:
+                        # struct.error exactly when an index is outside [-_OFFSET, _OFFSET).
+                        append(
+                            hexlify(
+                                pack(
+                                    task + _OFFSET,
+                                    rollout + _OFFSET,
+                                    kind,
+                                    attempt + _OFFSET,
+                                    number,
+                                    seq,
+                                    terminal,
+                                )
+                            )
+                            + raw
+                            + b"\n"
+                        )
+                        continue
+                    except struct.error:
+                        pass
+                append(_wide_key(task, rollout, kind, attempt, number, seq, terminal, width) + raw + b"\n")
+    if not entries:
+        return _Sorted(None, corrupt, omitted)
+    entries.sort()
+    out = tmp / f"shard-{number:06d}.sorted"
+    with out.open("wb", buffering=_READ_CHUNK) as handle:
+        handle.writelines(entries)
+    return _Sorted(_Run(out, entries[0], entries[-1]), corrupt, omitted)
+
+
+def _wide_key(
+    task: int, rollout: int, kind: int, attempt: int, number: int, seq: int, terminal: bool, width: int
+) -> bytes:
+    """The temp-line key in the ``width``-digit layout (any width, slower than the packed one).
+
+    Raises:
+        _WidthExceeded: An index does not fit in ``width`` hex digits.
+    """
+    needed = max(_hex_digits(task), _hex_digits(rollout), _hex_digits(attempt))
+    if needed > width:
+        raise _WidthExceeded(needed)
+    half = 1 << (4 * width - 1)
+    return b"%0*x%0*x%02x%0*x%08x%016x%02x" % (
+        width,
+        task + half,
+        width,
+        rollout + half,
+        kind,
+        width,
+        attempt + half,
+        number,
+        seq,
+        terminal,
+    )
+
+
+def _file_line_batches(path: Path) -> Iterator[list[bytes]]:
+    """The lines (without their newline) of the bytes ``path`` has now, in batches, like ``JsonlReader``.
+
+    A missing file has no lines; a last line without ``\n`` is yielded as it is. Empty lines are kept, so
+    counting the lines gives their line numbers.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        st = os.fstat(fd)
+        remaining = st.st_size if stat.S_ISREG(st.st_mode) else 0
+        pending = b""
+        while remaining > 0:
+            chunk = os.read(fd, min(_READ_CHUNK, remaining))
+            if not chunk:
+                break
+            remaining -= len(chunk)
+            lines = (pending + chunk).split(b"\n")
+            pending = lines.pop()
+            yield lines
+        if pending:
+            yield [pending]
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _merged(runs: list[_Run]) -> Iterator[Iterator[bytes]]:
+    """The lines of the sorted ``runs`` in byte order, which is key order.
+
+    Runs whose line ranges do not overlap (the usual case: planning gives each shard a contiguous block of
+    tasks) are simply read one after the other; otherwise they are heap-merged.
+    """
+    ordered = sorted(runs, key=lambda run: run.first)
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(run.path.open("rb", buffering=_RUN_BUFFER)) for run in ordered]
+        if all(before.last < after.first for before, after in itertools.pairwise(ordered)):
+            yield itertools.chain.from_iterable(handles)
+        else:
+            yield heapq.merge(*handles)
+
+
+def _reduce_runs(runs: list[_Run], tmp: Path, fan_in: int) -> list[_Run]:
+    """Merge sorted files in groups until at most ``fan_in`` remain (bounds the files open at once)."""
+    level = 0
+    while len(runs) > fan_in:
+        level += 1
+        reduced: list[_Run] = []
+        for group_no, start in enumerate(range(0, len(runs), fan_in)):
+            out = tmp / f"level-{level}-{group_no:06d}.sorted"
+            group = runs[start : start + fan_in]
+            with _merged(group) as lines, out.open("wb", buffering=_READ_CHUNK) as handle:
+                handle.writelines(lines)
+            for run in group:
+                run.path.unlink()
+            reduced.append(_Run(out, min(run.first for run in group), max(run.last for run in group)))
+        runs = reduced
+    return runs
+
+
+def _write_merged(
+    lines: Iterable[bytes], out_ok: BinaryIO, out_failed: BinaryIO, tally: _Tally, width: int
+) -> None:
+    """Write the kept lines of the merged temp ``lines`` (in key order) and count what is dropped."""
+    ident_end = 2 * width  # task + rollout
+    kind_at = ident_end + 1  # low digit of the kind: "0" success, "1" failure
+    attempt_end = ident_end + 2 + width
+    terminal_at = attempt_end + _SHARD_SEQ_DIGITS + 1  # low digit of the terminal flag
+    raw_start = terminal_at + 1
+    ok: list[bytes] = []
+    failed: list[bytes] = []
+    ok_append, failed_append = ok.append, failed.append
+    successes = failures = terminal = dup_successes = superseded = dup_failures = 0
+    # Temp lines start with hex digits, so no line starts with the first identity, b"\xff".
+    ident, last_attempt = b"\xff", b""
+    has_success = group_terminal = False
+    for line in lines:
+        if not line.startswith(ident):
+            terminal += group_terminal
+            ident = line[:ident_end]
+            has_success = group_terminal = False
+            last_attempt = b""
+        if line[kind_at] == 48:
+            if has_success:
+                dup_successes += 1
+                continue
+            has_success = True
+            successes += 1
+            ok_append(line[raw_start:])
+            if len(ok) >= _WRITE_BATCH:
+                out_ok.write(b"".join(ok))
+                ok.clear()
+        elif has_success:
+            superseded += 1
+        elif (attempt := line[ident_end:attempt_end]) == last_attempt:
+            dup_failures += 1
+        else:
+            last_attempt = attempt
+            failures += 1
+            group_terminal = group_terminal or line[terminal_at] == 49
+            failed_append(line[raw_start:])
+            if len(failed) >= _WRITE_BATCH:
+                out_failed.write(b"".join(failed))
+                failed.clear()
+    terminal += group_terminal
+    out_ok.write(b"".join(ok))
+    out_failed.write(b"".join(failed))
+    tally.successes += successes
+    tally.failures += failures
+    tally.terminal += terminal
+    tally.duplicate_successes += dup_successes
+    tally.superseded_failures += superseded
+    tally.duplicate_failures += dup_failures

@@ -1,0 +1,521 @@
+"""Collection of a whole config: plan shards, run each shard, finalize the run.
+
+These are the building blocks the Ray actors reuse: a single-process run and a distributed run execute the
+same ``plan_run``, ``run_shard`` and ``finalize_run``; Ray only decides which process runs which shard.
+
+Durability promises (see RELIABILITY.md):
+
+- Planning (:mod:`gym_ray.plan.shards`) validates every row before anything is written and is
+deterministic, so a
+  rerun on the same folder resumes it.
+- ``run_shard`` opens the shard's writer with a new token (a zombie writer of the same shard fails on its
+  next append), runs only what ``plan_resume`` says is missing, and appends each outcome as soon as it
+  arrives: a rollout reported as done is on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gym_ray import keys
+from gym_ray.config.settings import RunSettings, load_config
+from gym_ray.config.topology import Topology
+from gym_ray.dispatch import latency
+from gym_ray.dispatch.client import ServerClient
+from gym_ray.dispatch.engine import dispatch
+from gym_ray.dispatch.head import fetch_global_config
+from gym_ray.dispatch.outcomes import CompletedRollout, record_of
+from gym_ray.errors import NoProgressError, UsageError
+from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
+from gym_ray.observe.tracing import job_span, setup_tracing_from_config
+from gym_ray.plan.resume import plan_resume
+from gym_ray.plan.shards import (
+    DEFAULT_SHARD_SIZE,
+    RUN_MANIFEST,
+    RunPlan,
+    ShardSpec,
+    input_rows,
+    plan_run,
+    prepare_run,
+)
+from gym_ray.record.aggregate import (
+    aggregate_run,
+    raise_for_aggregation_errors,
+    raise_for_completion_rejection,
+    read_metrics_summary,
+)
+from gym_ray.record.atomic import atomic_write_bytes
+from gym_ray.record.merge import merge_shards
+from gym_ray.record.writer import ShardWriter
+from gym_ray.run._tasks import first_error
+
+__all__ = [
+    "DEFAULT_SHARD_SIZE",
+    "RUN_MANIFEST",
+    "SUMMARY_FILE",
+    "RunPlan",
+    "RunResult",
+    "ShardReport",
+    "ShardSpec",
+    "acollect_local",
+    "client_for",
+    "finalize_run",
+    "input_rows",
+    "plan_run",
+    "prepare_run",
+    "resolve_run_config",
+    "resolve_topology",
+    "run_shard",
+    "run_shards",
+]
+
+SUMMARY_FILE = "rollouts_summary.json"
+
+OutcomeHook = Callable[[dict[str, Any], dict[str, Any]], None]
+
+
+class ShardReport(BaseModel):
+    """What running one shard did. Crosses Ray actor boundaries (plain, picklable data)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    shard: str
+    planned: int
+    already_done: int
+    dispatched: int
+    succeeded: int
+    failed: int
+    failed_by_class: dict[str, int]
+    omitted: int
+    wall_s: float
+    worker: str | None = None
+    latency_ms_sum: float = 0.0
+    latency_histogram: list[int] = Field(default_factory=list)
+
+
+class RunResult(BaseModel):
+    """The outcome of a whole collection: where things are, what happened, the headline metrics."""
+
+    model_config = ConfigDict(frozen=True)
+
+    run_dir: str
+    run_id: str
+    rollouts_path: str
+    failures_path: str
+    metrics_path: str | None
+    summary_path: str
+    planned: int
+    succeeded: int
+    failed: int
+    failed_by_class: dict[str, int]
+    omitted: int
+    dispatched: int
+    already_done: int
+    wall_s: float
+    rollouts_per_s: float
+    num_workers: int
+    key_metrics: dict[str, dict[str, Any]]
+    aggregation_errors: dict[str, str]
+    latency_ms: dict[str, float | None] = Field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------------
+# running one shard
+
+
+async def run_shard(
+    spec: ShardSpec,
+    *,
+    client: ServerClient,
+    topology: Topology,
+    settings: RunSettings,
+    semaphore: asyncio.Semaphore | None = None,
+    on_outcome: OutcomeHook | None = None,
+    worker: str | None = None,
+) -> ShardReport:
+    """Run what is missing from one shard and record every outcome through the shard's locked writer.
+
+    Args:
+        spec: The shard, planned on disk by :func:`plan_run`.
+        client: The HTTP client pool of this process.
+        topology: The running config.
+        settings: The run's settings (concurrency, budget, attempts cap, retries).
+        semaphore: Shared across the shards one worker runs at once, so the concurrency window stays
+            full across shard boundaries.
+        on_outcome: Called with ``(row, record)`` after each record is on disk (streams, progress).
+        worker: A name for reports.
+
+    Returns:
+        What this call did; ``dispatched == 0`` when the shard was already complete.
+
+    Raises:
+        ShardLockError: A newer writer opened the shard while this call ran (this call is the zombie).
+        ShardIOError: A write or fsync failed; the shard is failed and resumable.
+    """
+    started = time.monotonic()
+    writer = ShardWriter(
+        spec.run_dir,
+        spec.shard,
+        run_id=spec.run_id,
+        config_identity=spec.config_identity,
+    )
+    writer.open()
+    failed_by_class: Counter[str] = Counter()
+    succeeded = failed = omitted = 0
+    latency_sum_ms = 0.0
+    histogram = [0] * latency.NUM_BUCKETS
+    try:
+        plan = plan_resume(
+            spec.run_dir,
+            spec.shard,
+            max_rollout_attempts=settings.max_rollout_attempts,
+            config_identity=spec.config_identity,
+        )
+        pending = plan.pending
+        completions = dispatch(
+            pending,
+            client,
+            topology,
+            semaphore=semaphore,
+            max_resident_tasks=settings.max_resident_tasks,
+            dispatch_budget_s=settings.dispatch_budget_s,
+            drain_margin_s=settings.drain_margin_s,
+            route_failures_to_sidecar=settings.route_failures_to_sidecar,
+            retry_requests=settings.retry_requests,
+            tracer=setup_tracing_from_config(topology.raw),  # None (no overhead) unless tracing.enabled
+        )
+        stall_s = settings.no_progress_timeout_s
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(loop.time() + stall_s) as watchdog:
+                async for row, outcome in completions:
+                    watchdog.reschedule(loop.time() + stall_s)
+                    record = record_of(row, outcome)
+                    if isinstance(outcome, CompletedRollout) and outcome.rollout_latency_ms is not None:
+                        latency_sum_ms += outcome.rollout_latency_ms
+                        histogram[latency.bucket_of(outcome.rollout_latency_ms)] += 1
+                    written = writer.append(record)
+                    if written is None:
+                        omitted += 1
+                    elif keys.FAILURE_CLASS in record:
+                        failed += 1
+                        failed_by_class[str(record[keys.FAILURE_CLASS])] += 1
+                    else:
+                        succeeded += 1
+                    if on_outcome is not None:
+                        on_outcome(row, record)
+        except TimeoutError as exc:
+            stats = completions.stats()
+            raise NoProgressError(
+                f"shard {spec.shard}: no rollout finished for {stall_s:g} s while {stats.in_flight} were in "
+                f"flight ({succeeded + failed} recorded by this call); the environment servers accept "
+                "requests but do not answer. Check them, then rerun on the same output_dir to resume "
+                "(raise no_progress_timeout_s for rollouts that legitimately take longer)"
+            ) from exc
+        finally:
+            await completions.aclose()
+        writer.write_progress()
+    finally:
+        writer.close()
+    return ShardReport(
+        latency_ms_sum=latency_sum_ms,
+        latency_histogram=histogram,
+        shard=spec.shard,
+        planned=spec.num_rows,
+        already_done=spec.num_rows - len(pending),
+        dispatched=len(pending),
+        succeeded=succeeded,
+        failed=failed,
+        failed_by_class=dict(failed_by_class),
+        omitted=omitted,
+        wall_s=time.monotonic() - started,
+        worker=worker,
+    )
+
+
+async def run_shards(
+    next_spec: Callable[[], Awaitable[ShardSpec | None]],
+    *,
+    client: ServerClient,
+    topology: Topology,
+    settings: RunSettings,
+    parallel_shards: int = 2,
+    on_report: Callable[[ShardReport], Awaitable[None]] | None = None,
+    on_outcome: OutcomeHook | None = None,
+    worker: str | None = None,
+    shard_fn: Callable[..., Awaitable[ShardReport]] | None = None,
+    on_error: Callable[[ShardSpec, Exception], Awaitable[None]] | None = None,
+) -> list[ShardReport]:
+    """Run shards as ``next_spec`` hands them out until it returns None; the loop of one worker.
+
+    ``parallel_shards`` lanes pull shards and share one semaphore of ``max_resident_tasks`` requests, so
+    the concurrency window stays full while one shard drains its tail and the next one starts. Live
+    rollout tasks stay below ``parallel_shards * max_resident_tasks``.
+
+    Args:
+        next_spec: Hands out the next shard, or None when there is none left (each lane then stops).
+        client: The HTTP client pool of this process.
+        topology: The running config.
+        settings: The run's settings.
+        parallel_shards: Lanes (shards run at once).
+        on_report: Awaited with each finished shard's report, in the lane that ran it.
+        on_outcome: Passed to the shard function (called per record on disk).
+        worker: A name for reports.
+        shard_fn: Runs one shard, called like :func:`run_shard` (the default).
+        on_error: Awaited with ``(spec, exc)`` when a shard raises an ``Exception``; the lane then moves on
+            to the next shard and the other lanes are not disturbed. Without it the first error cancels
+            every lane and is raised. Cancellation always propagates.
+
+    Returns:
+        The reports of the shards that finished, in completion order.
+    """
+    run_one = shard_fn or run_shard
+    semaphore = asyncio.Semaphore(settings.max_resident_tasks)
+    reports: list[ShardReport] = []
+
+    async def lane() -> None:
+        while (spec := await next_spec()) is not None:
+            try:
+                report = await run_one(
+                    spec,
+                    client=client,
+                    topology=topology,
+                    settings=settings,
+                    semaphore=semaphore,
+                    on_outcome=on_outcome,
+                    worker=worker,
+                )
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                await on_error(spec, exc)
+                continue
+            reports.append(report)
+            if on_report is not None:
+                await on_report(report)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(max(1, parallel_shards)):
+                group.create_task(lane())
+    except BaseExceptionGroup as group_error:
+        raise first_error(group_error) from None
+    return reports
+
+
+# --------------------------------------------------------------------------------------------------
+# config and inputs
+
+
+def resolve_run_config(
+    config: Mapping[str, Any] | str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    overrides: Iterable[str] = (),
+    settings: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The merged global config of a run: YAML file(s) or a dict, then overrides, then keyword settings.
+
+    Args:
+        config: A config dict, a YAML path, or several YAML paths merged in order.
+        overrides: ``key=value`` / ``+key=value`` / ``++key=value`` (YAML paths only).
+        settings: Top-level run settings (``output_dir``, ``num_repeats``, ...) that win over the config.
+
+    Returns:
+        A plain dict (a copy: the caller's dict is never mutated).
+    """
+    overrides = list(overrides)
+    if isinstance(config, Mapping):
+        if overrides:
+            raise UsageError(
+                "overrides apply to YAML config files; for a config dict pass settings as keyword "
+                "arguments (e.g. output_dir='runs/r1')"
+            )
+        cfg: dict[str, Any] = json.loads(json.dumps(config))
+    else:
+        paths = [config] if isinstance(config, str | os.PathLike) else list(config)
+        cfg = load_config(paths, overrides)
+    for key, value in (settings or {}).items():
+        cfg[key] = value
+    return cfg
+
+
+async def resolve_topology(cfg: dict[str, Any], *, client_timeout_s: float = 30.0) -> Topology:
+    """The topology of a run: the config's own server instances, or the head server's when it has none.
+
+    A config that names only ``head_server`` (a running NeMo Gym deployment) is completed from the head's
+    ``/global_config_dict_yaml``; the run settings of ``cfg`` win over the head's.
+    """
+    local = Topology.from_config(cfg)
+    if local.instances or local.head_url is None:
+        return local
+    remote = await fetch_global_config(local.head_url, timeout_s=client_timeout_s)
+    return Topology.from_config({**remote, **cfg})
+
+
+def client_for(topology: Topology, settings: RunSettings) -> ServerClient:
+    """The HTTP client pool of one process, sized from the run's settings."""
+    return ServerClient(
+        topology,
+        max_connections=settings.max_connections,
+        connect_timeout_s=settings.connect_timeout_s,
+        request_timeout_s=settings.request_timeout_s,
+        retry_requests=settings.retry_requests,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# finishing a run
+
+
+async def finalize_run(
+    plan: RunPlan,
+    reports: Iterable[ShardReport],
+    *,
+    topology: Topology,
+    client: ServerClient,
+    settings: RunSettings,
+    wall_s: float,
+    num_workers: int = 1,
+) -> RunResult:
+    """Merge the shards, check completion, aggregate once per environment server, write the summary.
+
+    A strict run with unfinished work is rejected before aggregation (no score is published). When an
+    ``/aggregate_metrics`` call fails, the metrics file keeps an entry with ``aggregation_error``, the
+    summary is written, and then one :class:`~gym_ray.errors.AggregationError` names every failed server.
+    """
+    reports = list(reports)
+    root = Path(plan.run_dir)
+    merged = await asyncio.to_thread(merge_shards, root)
+    settled = merged.successes + merged.terminal_failures
+    if settings.strict:
+        pending = sum(
+            plan_resume(root, spec.shard, max_rollout_attempts=settings.max_rollout_attempts).pending_count
+            for spec in plan.shards
+        )
+        raise_for_completion_rejection(
+            expected=plan.planned,
+            completed=settled,
+            can_retry=pending > 0,
+            made_progress=any(r.succeeded or r.failed for r in reports),
+            strict=True,
+        )
+    metrics_path = await aggregate_run(root, topology, client, raise_on_error=False)
+    entries = read_metrics_summary(metrics_path) if metrics_path else []
+    key_metrics = {e["_ng_environment_server"]: e.get("key_metrics", {}) for e in entries}
+    errors = {
+        e["_ng_environment_server"]: e["aggregation_error"] for e in entries if "aggregation_error" in e
+    }
+    failed_by_class: Counter[str] = Counter()
+    for report in reports:
+        failed_by_class.update(report.failed_by_class)
+    dispatched = sum(r.dispatched for r in reports)
+    latencies = latency.merge(r.latency_histogram for r in reports)
+    timed = sum(latencies)
+    result = RunResult(
+        run_dir=str(root),
+        run_id=plan.run_id,
+        rollouts_path=str(merged.successes_path),
+        failures_path=str(merged.failures_path),
+        metrics_path=str(metrics_path) if metrics_path else None,
+        summary_path=str(root / SUMMARY_FILE),
+        planned=plan.planned,
+        succeeded=merged.successes,
+        failed=merged.failures,
+        failed_by_class=dict(failed_by_class),
+        omitted=sum(r.omitted for r in reports),
+        dispatched=dispatched,
+        already_done=sum(r.already_done for r in reports),
+        wall_s=wall_s,
+        rollouts_per_s=dispatched / wall_s if wall_s > 0 else 0.0,
+        num_workers=num_workers,
+        key_metrics=key_metrics,
+        aggregation_errors=errors,
+        latency_ms={
+            "mean": sum(r.latency_ms_sum for r in reports) / timed if timed else None,
+            "p50": latency.quantile_ms(latencies, 0.5),
+            "p99": latency.quantile_ms(latencies, 0.99),
+        },
+    )
+    atomic_write_bytes(root / SUMMARY_FILE, (result.model_dump_json(indent=2) + "\n").encode())
+    if metrics_path is not None:
+        raise_for_aggregation_errors(metrics_path)
+    return result
+
+
+async def acollect_local(
+    config: Mapping[str, Any] | str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    rows: Iterable[Mapping[str, Any]] | None = None,
+    overrides: Iterable[str] = (),
+    progress: bool | None = None,
+    **settings: Any,
+) -> RunResult:
+    """Collect a whole config in this process: plan, run every shard, finalize.
+
+    The single-process form of :func:`gym_ray.acollect`; the same building blocks, no Ray. Running it
+    again on the same ``output_dir`` resumes: only what is missing is dispatched.
+
+    Args:
+        config: A config dict or YAML path(s).
+        rows: Input rows (a list); default: the config's ``input_jsonl_fpath``.
+        overrides: YAML-path overrides (``+output_dir=runs/r1``).
+        progress: Show a :class:`~gym_ray.observe.progress.ProgressDisplay` on stderr (rollouts this call
+        runs,
+            rate, failures, ETA, mean reward per environment server); None shows it when stderr is a TTY.
+        **settings: Run settings that win over the config (``output_dir=...``, ``num_repeats=4``).
+
+    Returns:
+        The run result (paths, counts, key metrics per environment server).
+    """
+    started = time.monotonic()
+    cfg = resolve_run_config(config, overrides=overrides, settings=settings)
+    run_settings = RunSettings.from_config(cfg)
+    topology = await resolve_topology(cfg)
+    plan = await asyncio.to_thread(prepare_run, cfg, topology, rows=rows)
+    specs = iter(plan.shards)
+
+    async def next_spec() -> ShardSpec | None:
+        return next(specs, None)
+
+    display = ProgressDisplay(0, stream=sys.stderr, enabled=progress)
+    if display.enabled:
+        display.total = await asyncio.to_thread(_pending_count, plan, run_settings)
+    tracer = setup_tracing_from_config(cfg)
+    with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
+        async with client_for(topology, run_settings) as client:
+            with display:
+                reports = await run_shards(
+                    next_spec,
+                    client=client,
+                    topology=topology,
+                    settings=run_settings,
+                    on_outcome=ProgressCounter(display) if display.enabled else None,
+                )
+            return await finalize_run(
+                plan,
+                reports,
+                topology=topology,
+                client=client,
+                settings=run_settings,
+                wall_s=time.monotonic() - started,
+            )
+
+
+def _pending_count(plan: RunPlan, settings: RunSettings) -> int:
+    """Rollouts a run of ``plan`` still has to dispatch (the progress display's total)."""
+    return sum(
+        plan_resume(
+            plan.run_dir, spec.shard, max_rollout_attempts=settings.max_rollout_attempts
+        ).pending_count
+        for spec in plan.shards
+    )

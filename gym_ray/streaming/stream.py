@@ -1,0 +1,599 @@
+"""``stream(rows, ...)``: rollouts for trainers and notebooks, in completion order, with backpressure.
+
+A :class:`RolloutStream` (the driver side, in the caller's event loop) reads input rows, stamps them
+(task index, rollout index, run id; ``group_size`` copies of each input row), validates them against the
+running config, and hands them to ``num_workers`` :class:`~gym_ray.streaming.worker.StreamWorker`
+Ray actors through a bounded queue. Per worker, a feeder task ``submit``\\ s row batches and a puller task
+long-polls ``pull`` for finished outcomes; outcomes reach the consumer through a buffer of ``buffer_size``.
+
+Backpressure promise (exact, without ``group_size``): a puller asks a worker only for as many outcomes as
+the buffer has free room, and a worker admits a row only while its rows admitted-and-unpulled stay below its
+share of ``max_in_flight``. So after the consumer has taken ``C`` outcomes and stops pulling, the servers
+receive at most ``C + buffer_size + max_in_flight`` ``/run`` requests (per attempt, with a healthy client:
+retries after connection failures add to it). With ``group_size = k`` only complete groups count against
+``buffer_size``; partial groups are bounded by the rows in the workers and the queue.
+
+Delivery promises: every input row's outcome is delivered once. A worker that dies (``RayActorError``) has
+its undelivered rows (submitted, running, or finished but unpulled) put back at the front of the queue and
+re-run by a replacement worker (up to ``max_worker_restarts``); its late outcomes can never be delivered
+because they were never pulled. ``aclose()`` cancels in-flight rollouts on every worker (the servers see
+their handlers cancelled) and drops what had finished; ``aclose_and_drain()`` cancels the same way and
+returns, once, what had finished and was not yet delivered.
+
+Tasks: the reader, the feeders and the pullers are tasks owned by the stream; ``aclose`` /
+``aclose_and_drain`` (also called when iteration ends, fails or the consuming task is cancelled, e.g. a
+notebook cell interrupt via ``async with``) cancel and join them, stop the workers and kill their actors.
+
+Recording (``record_dir``): each worker incarnation appends every outcome through its own
+:class:`~gym_ray.record.writer.ShardWriter` (shard ``stream-<run>-w<slot>-<incarnation>``). A stream with
+``resume=True`` on the same folder and the same input order skips rows already recorded as done (a success
+or a terminal failure; in group mode a group is skipped only when all its rollouts are).
+
+Layout: this module holds the stream itself; the input side (:class:`RowFeed`, source adaptation, row
+stamping) is in ``gym_ray.streaming.row_feed``, the resume skip set (``recorded_keys``) in
+``gym_ray.record.recorded``, and :func:`stream_sync` / :class:`SyncRolloutStream` in
+``gym_ray.streaming.sync``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import uuid
+from collections import deque
+from collections.abc import AsyncIterable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from gym_ray import keys
+from gym_ray.errors import NoProgressError, UsageError
+from gym_ray.record.recorded import recorded_keys
+from gym_ray.streaming.row_feed import aiter_rows, stamp_rows
+from gym_ray.streaming.worker import (
+    STREAM_WORKER_MAX_CONCURRENCY,
+    Outcome,
+    SeqRow,
+    StreamWorker,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RolloutStream", "StreamStats", "stream"]
+
+Row = dict[str, Any]
+Item = tuple[Row, Outcome]
+#: Seconds a ``pull`` long-poll waits for a first outcome.
+PULL_WAIT_S = 0.25
+#: Rows per ``submit`` call at most.
+SUBMIT_BATCH = 64
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """A snapshot of a stream.
+
+    Attributes:
+        read: Rollout rows read from the input (after ``group_size`` expansion and resume skips).
+        skipped: Rollout rows skipped because ``record_dir`` already holds them (``resume=True``).
+        delivered: Outcomes handed to the consumer (a group counts ``group_size``).
+        buffered: Outcomes waiting in the buffer (complete groups only).
+        queued: Rows waiting for a worker.
+        at_workers: Rows submitted to a worker and not yet pulled back.
+        requeued: Rows re-queued after their worker died.
+        workers_lost: Workers that died.
+    """
+
+    read: int
+    skipped: int
+    delivered: int
+    buffered: int
+    queued: int
+    at_workers: int
+    requeued: int
+    workers_lost: int
+
+
+@dataclass
+class _Slot:
+    """One worker position: the live actor, its quota and the rows it holds (seq -> row)."""
+
+    index: int
+    quota: int
+    incarnation: int = 0
+    handle: Any = None
+    run_ref: Any = None
+    assigned: dict[int, Row] = field(default_factory=dict)
+
+
+class RolloutStream:
+    """An async iterator of ``(row, result | RolloutFailureRecord)`` in completion order (see module doc).
+
+    With ``group_size`` it yields lists of ``group_size`` items (one task's rollouts, by rollout index).
+    Build it with :func:`stream`; use ``async with`` so that leaving the block (or a cancelled cell)
+    closes it.
+    """
+
+    def __init__(
+        self,
+        rows: Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]],
+        *,
+        config: Mapping[str, Any] | str | os.PathLike[str],
+        num_workers: int = 2,
+        group_size: int | None = None,
+        max_in_flight: int = 64,
+        buffer_size: int | None = None,
+        timeout_s: float | None = None,
+        record_dir: str | os.PathLike[str] | None = None,
+        resume: bool = False,
+        address: str | None = None,
+        max_worker_restarts: int | None = None,
+        connect_timeout_s: float = 10.0,
+        retry_requests: bool = True,
+        run_id: str | None = None,
+    ) -> None:
+        for name, value, low in (
+            ("num_workers", num_workers, 1),
+            ("group_size", group_size, 1),
+            ("max_in_flight", max_in_flight, num_workers),
+            ("buffer_size", buffer_size, 1),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise UsageError(f"stream: {name}={value!r} must be an int >= {low}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise UsageError(f"stream: timeout_s={timeout_s!r} must be > 0 seconds, or None for no limit")
+        if resume and record_dir is None:
+            raise UsageError("stream: resume=True needs record_dir=<the run folder to resume>")
+        self._rows = rows
+        self._config = config
+        self._num_workers = num_workers
+        self._group_size = group_size
+        self._max_in_flight = max_in_flight
+        self._buffer_size = buffer_size if buffer_size is not None else max_in_flight
+        self._timeout_s = timeout_s
+        self._record_dir = str(record_dir) if record_dir is not None else None
+        self._resume = resume
+        self._address = address
+        self._restarts_left = 2 * num_workers if max_worker_restarts is None else max_worker_restarts
+        self._connect_timeout_s = connect_timeout_s
+        self._retry_requests = retry_requests
+        self.run_id = run_id or uuid.uuid4().hex
+        self._state = "new"  # new -> running -> closed
+        self._owns_ray = False
+        self._topology: Any = None
+        self._slots: list[_Slot] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pullers: set[asyncio.Task[None]] = set()
+        self._queue: deque[SeqRow] = deque()
+        self._ready: deque[Item | list[Item]] = deque()
+        self._partial: dict[int, list[tuple[int, Item]]] = {}
+        self._changed = asyncio.Event()
+        self._source_done = False
+        self._error: BaseException | None = None
+        self._reserved = self._buffered = 0
+        self._open = 0  # rows read and not yet in the buffer
+        self._read = self._skipped = self._delivered = self._requeued = self._lost = 0
+        self._start_lock = asyncio.Lock()
+
+    # --- public ---------------------------------------------------------------------------------
+
+    def stats(self) -> StreamStats:
+        """Counters so far."""
+        return StreamStats(
+            read=self._read,
+            skipped=self._skipped,
+            delivered=self._delivered,
+            buffered=self._buffered,
+            queued=len(self._queue),
+            at_workers=sum(len(slot.assigned) for slot in self._slots),
+            requeued=self._requeued,
+            workers_lost=self._lost,
+        )
+
+    async def worker_pids(self) -> list[int]:
+        """Process ids of the live workers, by slot (starts the stream if needed)."""
+        await self.start()
+        return list(await asyncio.gather(*(slot.handle.pid.remote() for slot in self._slots)))
+
+    async def worker_stats(self) -> list[Any]:
+        """:class:`~gym_ray.streaming.worker.StreamWorkerStats` of the live workers, by slot."""
+        await self.start()
+        return list(await asyncio.gather(*(slot.handle.stats.remote() for slot in self._slots)))
+
+    async def start(self) -> None:
+        """Resolve the config, connect to Ray and start the workers (done by the first ``anext`` too).
+
+        Raises:
+            UsageError: The stream is closed.
+            ConfigError: The config is bad (before Ray starts).
+        """
+        async with self._start_lock:
+            if self._state in ("closing", "closed"):
+                raise UsageError("this stream is closed; build a new one with gym_ray.stream(...)")
+            if self._state == "running":
+                return
+            try:
+                await self._start()
+            except BaseException:
+                await self._shutdown(drain=False)
+                raise
+            self._state = "running"
+
+    def __aiter__(self) -> RolloutStream:
+        return self
+
+    async def __anext__(self) -> Item | list[Item]:
+        if self._state == "new":
+            await self.start()
+        try:
+            while True:
+                if self._ready:
+                    item = self._ready.popleft()
+                    size = len(item) if isinstance(item, list) else 1
+                    self._buffered -= size
+                    self._delivered += size
+                    self._notify()
+                    return item
+                if self._error is not None:
+                    raise self._error
+                if self._state in ("closing", "closed") or (self._source_done and self._open == 0):
+                    break
+                self._changed.clear()
+                await self._changed.wait()
+        except BaseException:
+            await self._shutdown(drain=False)
+            raise
+        await self._shutdown(drain=False)
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Cancel in-flight rollouts on every worker, wait until they have ended, stop the workers.
+
+        Outcomes not yet delivered are dropped. Idempotent.
+        """
+        await self._shutdown(drain=False)
+
+    async def aclose_and_drain(self) -> list[Item | list[Item]]:
+        """Like :meth:`aclose`, but return the finished, undelivered outcomes (once; later calls get ``[]``).
+
+        Items have the iteration's shape; in group mode an incomplete group comes back as a shorter list.
+        """
+        return await self._shutdown(drain=True)
+
+    async def __aenter__(self) -> RolloutStream:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # --- start and stop --------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        import ray
+
+        from gym_ray.run.collect import resolve_run_config, resolve_topology
+
+        cfg = resolve_run_config(self._config)
+        self._topology = await resolve_topology(cfg)
+        if not ray.is_initialized():
+            if self._address is None and not os.environ.get("RAY_ADDRESS"):
+                init = functools.partial(ray.init, num_cpus=os.cpu_count() or 1, include_dashboard=False)
+            else:
+                init = functools.partial(ray.init, address=self._address)
+            await asyncio.to_thread(init)
+            self._owns_ray = True
+        done: set[tuple[int, int]] = set()
+        if self._resume and self._record_dir is not None:
+            done = await asyncio.to_thread(recorded_keys, self._record_dir)
+        base, extra = divmod(self._max_in_flight, self._num_workers)
+        self._slots = [_Slot(i, base + (1 if i < extra else 0)) for i in range(self._num_workers)]
+        logger.info(
+            "stream %s: %d workers, max_in_flight=%d (per worker %s), buffer_size=%d, group_size=%s, "
+            "timeout_s=%s, record_dir=%s; actors num_cpus=0 max_concurrency=%d",
+            self.run_id,
+            self._num_workers,
+            self._max_in_flight,
+            [slot.quota for slot in self._slots],
+            self._buffer_size,
+            self._group_size,
+            self._timeout_s,
+            self._record_dir,
+            STREAM_WORKER_MAX_CONCURRENCY,
+        )
+        for slot in self._slots:
+            self._launch(slot)
+        await asyncio.gather(*(slot.handle.pid.remote() for slot in self._slots))
+        self._state = "running"
+        self._spawn(self._read_source(done))
+        for slot in self._slots:
+            self._spawn(self._feed(slot))
+            self._pullers.add(self._spawn(self._pull(slot)))
+
+    def _launch(self, slot: _Slot) -> None:
+        import ray
+
+        shard = f"stream-{self.run_id[:12]}-w{slot.index}-{slot.incarnation}"
+        worker: Any = ray.remote(StreamWorker).options(
+            num_cpus=0, max_concurrency=STREAM_WORKER_MAX_CONCURRENCY
+        )
+        slot.handle = worker.remote(
+            f"w{slot.index}.{slot.incarnation}",
+            self._topology.raw,
+            max_in_flight=slot.quota,
+            inbox_size=slot.quota,
+            request_timeout_s=self._timeout_s,
+            connect_timeout_s=self._connect_timeout_s,
+            retry_requests=self._retry_requests,
+            record_dir=self._record_dir,
+            run_id=self.run_id,
+            shard=shard,
+        )
+        slot.run_ref = slot.handle.run.remote()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(self._guard(coro))
+        self._tasks.add(task)
+        return task
+
+    async def _guard(self, coro: Any) -> None:
+        try:
+            await coro
+        except Exception as exc:
+            if self._error is None:
+                self._error = exc
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    async def _wait(self) -> None:
+        self._changed.clear()
+        await self._changed.wait()
+
+    async def _shutdown(self, *, drain: bool) -> list[Item | list[Item]]:
+        import ray
+
+        if self._state == "closed" or self._state == "closing":
+            return []
+        self._state = "closing"
+        self._notify()
+        pullers, others = list(self._pullers), [t for t in self._tasks if t not in self._pullers]
+        self._tasks.clear()
+        self._pullers.clear()
+        # Feeders and the reader only move rows; pullers carry outcomes, so a drain lets each finish the
+        # pull it has in flight (the worker's close() wakes it) instead of dropping what it popped.
+        for task in others if drain else [*others, *pullers]:
+            task.cancel()
+        if others or pullers:
+            await asyncio.wait([*others, *pullers])  # a draining puller ends after its pull (<= PULL_WAIT_S)
+        drained: list[Item | list[Item]] = []
+        live = [slot for slot in self._slots if slot.handle is not None]
+        try:
+            closing = [slot.handle.close.remote(drain) for slot in live]
+            results = await asyncio.gather(*closing, return_exceptions=True)
+            if drain:
+                drained = list(self._ready)
+                for slot, result in zip(live, results, strict=True):
+                    if isinstance(result, list):
+                        self._accept(slot, result, into=drained)
+                drained.extend(
+                    [item for _, item in sorted(group, key=lambda pair: pair[0])]
+                    for _, group in sorted(self._partial.items())
+                )
+            await asyncio.gather(*(slot.run_ref for slot in live), return_exceptions=True)
+        finally:
+            self._state = "closed"
+            for slot in live:
+                ray.kill(slot.handle, no_restart=True)
+                slot.handle = None
+            self._ready.clear()
+            self._partial.clear()
+            self._buffered = 0
+            if self._owns_ray:
+                self._owns_ray = False
+                await asyncio.to_thread(ray.shutdown)
+        return drained
+
+    # --- input -----------------------------------------------------------------------------------
+
+    async def _read_source(self, done: set[tuple[int, int]]) -> None:
+        bound = self._max_in_flight + self._num_workers * SUBMIT_BATCH
+        next_task = 0
+        seq_base = 0
+        async for raw in aiter_rows(self._rows):
+            own = raw.get(keys.TASK_INDEX) if isinstance(raw, Mapping) else None
+            task = own if type(own) is int else next_task
+            next_task = max(next_task, task + 1)
+            position = self._read + self._skipped
+            rows = stamp_rows(
+                raw,
+                position=position // (self._group_size or 1),
+                task=task,
+                run_id=self.run_id,
+                group_size=self._group_size,
+                topology=self._topology,
+            )
+            width = len(rows)
+            keys_of = [(r[keys.TASK_INDEX], r[keys.ROLLOUT_INDEX]) for r in rows]
+            if done and all(k in done for k in keys_of):
+                self._skipped += width
+                continue
+            for offset, row in enumerate(rows):
+                while len(self._queue) >= bound and self._state == "running":
+                    await self._wait()
+                self._queue.append((seq_base + offset, row))
+                self._open += 1
+                self._read += 1
+                self._notify()
+            seq_base += width
+        self._source_done = True
+        self._notify()
+
+    # --- workers ---------------------------------------------------------------------------------
+
+    async def _feed(self, slot: _Slot) -> None:
+        """Move queued rows to the slot's worker; ends when the worker dies (the puller restarts it)."""
+        import ray
+
+        handle = slot.handle
+        while slot.handle is handle:
+            while not self._queue:
+                await self._wait()
+            if slot.handle is not handle:
+                return
+            batch: list[SeqRow] = []
+            while self._queue and len(batch) < min(SUBMIT_BATCH, slot.quota):
+                batch.append(self._queue.popleft())
+            self._notify()
+            for seq, row in batch:
+                slot.assigned[seq] = row
+            try:
+                await handle.submit.remote(batch)
+            except ray.exceptions.RayActorError:
+                return
+
+    async def _pull(self, slot: _Slot) -> None:
+        import ray
+
+        while self._state == "running":
+            # Long-poll without a reservation, then reserve only what the worker has: a puller never
+            # holds buffer room while it waits, so no worker starves another one.
+            try:
+                available = await slot.handle.ready.remote(PULL_WAIT_S)
+                if not available:
+                    continue
+                room = min(self._buffer_size - self._buffered - self._reserved, available)
+                if room <= 0:
+                    await self._wait()
+                    continue
+                self._reserved += room
+                try:
+                    items = await slot.handle.pull.remote(room, 0.0)
+                finally:
+                    self._reserved -= room
+            except ray.exceptions.RayActorError as exc:
+                if self._state != "running":
+                    return
+                await self._replace(slot, exc)
+                continue
+            self._accept(slot, items, into=None)
+
+    async def _replace(self, slot: _Slot, exc: BaseException) -> None:
+        """The slot's worker died: re-queue its rows in seq order, start a replacement (budget allowing)."""
+        import ray
+
+        self._lost += 1
+        ray.kill(slot.handle, no_restart=True)
+        requeue = sorted(slot.assigned.items())
+        slot.assigned.clear()
+        self._queue.extendleft(reversed(requeue))
+        self._requeued += len(requeue)
+        logger.warning(
+            "stream %s: worker w%d.%d died (%s); re-queued %d rows",
+            self.run_id,
+            slot.index,
+            slot.incarnation,
+            type(exc).__name__,
+            len(requeue),
+        )
+        if self._restarts_left <= 0:
+            raise NoProgressError(
+                f"stream {self.run_id}: worker w{slot.index} died and the restart budget "
+                "(max_worker_restarts) is spent; raise max_worker_restarts or check the Ray cluster"
+            ) from exc
+        self._restarts_left -= 1
+        slot.incarnation += 1
+        self._launch(slot)
+        await slot.handle.pid.remote()
+        self._spawn(self._feed(slot))
+        self._notify()
+
+    def _accept(
+        self, slot: _Slot, items: list[tuple[int, Outcome]], *, into: list[Item | list[Item]] | None
+    ) -> None:
+        target = self._ready if into is None else into
+        for seq, outcome in items:
+            row = slot.assigned.pop(seq, None)
+            if row is None:
+                continue  # not this worker's any more (never happens with pop-once pulls)
+            self._open -= 1
+            if self._group_size is None:
+                target.append((row, outcome))
+                self._buffered += 1 if into is None else 0
+                continue
+            gid, index = divmod(seq, self._group_size)
+            group = self._partial.setdefault(gid, [])
+            group.append((index, (row, outcome)))
+            if len(group) == self._group_size:
+                del self._partial[gid]
+                target.append([item for _, item in sorted(group, key=lambda pair: pair[0])])
+                self._buffered += self._group_size if into is None else 0
+        self._notify()
+
+
+def stream(
+    rows: Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]],
+    *,
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    num_workers: int = 2,
+    group_size: int | None = None,
+    max_in_flight: int = 64,
+    buffer_size: int | None = None,
+    timeout_s: float | None = None,
+    record_dir: str | os.PathLike[str] | None = None,
+    resume: bool = False,
+    address: str | None = None,
+    max_worker_restarts: int | None = None,
+    retry_requests: bool = True,
+) -> RolloutStream:
+    """Stream rollouts of ``rows`` from Ray worker actors, in completion order, with backpressure.
+
+    Example::
+
+        async with gym_ray.stream(rows, config=cfg, group_size=4) as rollouts:
+            async for group in rollouts:          # 4 (row, result | RolloutFailureRecord) pairs
+                rewards = [o["reward"] for _, o in group if not isinstance(o, RolloutFailureRecord)]
+
+    Args:
+        rows: Input rows: a list, a sync iterator, or an async iterator (e.g. a :class:`RowFeed`) fed while
+            the stream runs. Rows are copied and stamped with ``_ng_task_index`` (their own int, else a
+            counter in input order), ``_ng_rollout_index`` and ``_ng_run_id``.
+        config: The running config (dict, or YAML path); a head-only config is completed from the head.
+        num_workers: Worker actors (``num_cpus=0`` each).
+        group_size: Run each input row this many times and yield the task's rollouts together, as a list
+            ordered by rollout index, once all are done.
+        max_in_flight: Rows admitted and not yet pulled, over all workers (split evenly; >= num_workers).
+        buffer_size: Outcomes finished and not yet taken by the consumer (default ``max_in_flight``).
+        timeout_s: Timeout of each ``/run`` request; a timed-out rollout is a failure record.
+        record_dir: Record every outcome in this run folder (one shard per worker incarnation).
+        resume: Skip rows ``record_dir`` already holds as done (same input order as the recorded run).
+        address: Ray cluster to join when Ray is not initialized (default ``RAY_ADDRESS``, else local).
+        max_worker_restarts: Replacement workers allowed (default ``2 * num_workers``).
+        retry_requests: Replay a ``/run`` after a connection failure.
+
+    Returns:
+        The stream; nothing starts until ``async with``, :meth:`RolloutStream.start` or the first item.
+
+    Raises:
+        UsageError: A bad option (raised here), or a non-dict row (raised by iteration).
+        ValidationError: Rows disagree with the running config (raised by iteration).
+    """
+    return RolloutStream(
+        rows,
+        config=config,
+        num_workers=num_workers,
+        group_size=group_size,
+        max_in_flight=max_in_flight,
+        buffer_size=buffer_size,
+        timeout_s=timeout_s,
+        record_dir=record_dir,
+        resume=resume,
+        address=address,
+        max_worker_restarts=max_worker_restarts,
+        retry_requests=retry_requests,
+    )

@@ -1,0 +1,259 @@
+"""aclose() / aclose_and_drain() of the completion iterator: every case of the contract."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from gym_ray.dispatch._completion import CompletionIterator
+from gym_ray.dispatch.helper import RolloutCollectionHelper
+from gym_ray.errors import ServerHTTPError, UsageError
+from gym_ray.servers import serve_config
+from gym_ray.servers.launch import Deployment
+from tests.dispatch.test_dispatch import make_config, row, wait_for
+
+
+@pytest.fixture
+async def dep() -> AsyncIterator[Deployment]:
+    async with serve_config(make_config(0)) as deployment:
+        yield deployment
+
+
+@pytest.fixture
+async def helper(dep: Deployment) -> AsyncIterator[RolloutCollectionHelper]:
+    h = RolloutCollectionHelper(dep.config)
+    yield h
+    await h.aclose()
+
+
+async def claim(item: Coroutine[Any, Any, Any]) -> Any:
+    """Await a handed-out item; report a CancelledError and whether this task itself was cancelled."""
+    try:
+        return await item
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        assert task is not None
+        return ("CancelledError", task.cancelling())
+
+
+BOUNDS = [pytest.param(None, id="unbounded"), pytest.param(3, id="bounded")]
+
+
+@pytest.mark.parametrize("bound", BOUNDS)
+async def test_close_before_first_use_starts_nothing(
+    dep: Deployment, helper: RolloutCollectionHelper, bound: Any
+) -> None:
+    it = helper.run_examples([row(0), row(1)], max_resident_tasks=bound)
+    await it.aclose()
+    await it.aclose()  # repeated call
+    assert list(it) == []
+    assert await it.aclose_and_drain() == []
+    it2 = helper.run_examples([row(0), row(1)], max_resident_tasks=bound)
+    assert await it2.aclose_and_drain() == []
+    assert [x async for x in it2] == []
+    await asyncio.sleep(0.05)
+    assert dep.stats("env").requests == 0
+
+
+@pytest.mark.parametrize("bound", BOUNDS)
+async def test_aclose_cancels_in_flight_and_the_server_sees_it(
+    dep: Deployment, helper: RolloutCollectionHelper, bound: Any
+) -> None:
+    it = helper.run_examples([row(i, fault="hang") for i in range(3)], max_resident_tasks=bound)
+    waiter = asyncio.create_task(claim(next(it)))
+    await wait_for(lambda: dep.stats("env").in_flight == 3)
+    await it.aclose()
+    assert it.stats().in_flight == 0
+    assert await waiter == ("CancelledError", 0)  # raised in the waiter's task, which was not cancelled
+    await wait_for(lambda: dep.stats("env").cancelled == 3)
+    assert dep.stats("env").requests == 3
+    with pytest.raises(StopIteration):
+        next(it)
+    assert [x async for x in it] == []
+    await it.aclose()
+
+
+async def test_bounded_awaitable_first_awaited_after_close_raises_even_if_ready(
+    helper: RolloutCollectionHelper,
+) -> None:
+    it = helper.run_examples([row(i) for i in range(3)], max_resident_tasks=3)
+    first_row, _ = await next(it)
+    later = next(it)
+    await wait_for(lambda: it.stats().completed == 3)
+    await it.aclose()
+    with pytest.raises(asyncio.CancelledError):
+        await later
+    assert first_row["_ng_task_index"] in {0, 1, 2}
+
+
+async def test_bounded_awaitable_after_close_is_cancellation_for_gather(
+    helper: RolloutCollectionHelper,
+) -> None:
+    it = helper.run_examples([row(0), row(1)], max_resident_tasks=1)
+    items = list(it)
+    await it.aclose()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.gather(*items)
+
+
+async def test_unbounded_handed_out_awaitables_keep_completed_results(
+    dep: Deployment, helper: RolloutCollectionHelper
+) -> None:
+    it = helper.run_examples([row(0), row(1, fault="hang")])
+    items = list(it)
+    assert len(items) == 2
+    await wait_for(lambda: it.stats().completed == 1 and dep.stats("env").in_flight == 1)
+    await it.aclose()
+    done_row, result = await items[0]
+    assert done_row["_ng_task_index"] == 0
+    assert result["reward"] == 1.0
+    with pytest.raises(asyncio.CancelledError):
+        await items[1]
+    await wait_for(lambda: dep.stats("env").cancelled == 1)
+
+
+async def test_drain_returns_unclaimed_outcomes_once(
+    dep: Deployment, helper: RolloutCollectionHelper
+) -> None:
+    rows = [row(0), row(1), row(2, fault="500"), row(3, fault="hang"), row(4), row(5)]
+    it = helper.run_examples(rows, max_resident_tasks=4, retry_requests=False)
+    first_row, _ = await next(it)  # admits rows 0-3, claims one, refills one slot (row 4)
+    issued = next(it)
+    await wait_for(lambda: it.stats().completed + it.stats().failed == 4 and dep.stats("env").in_flight == 1)
+    futures = await it.aclose_and_drain()
+    outcomes: dict[int, Any] = {}
+    for fut in futures:
+        try:
+            r, result = await fut
+            outcomes[r["_ng_task_index"]] = result["reward"]
+        except ServerHTTPError as exc:
+            outcomes[2] = exc.status
+    assert sorted(outcomes) == sorted({0, 1, 2, 4} - {first_row["_ng_task_index"]})
+    assert outcomes.get(2, 500) == 500
+    with pytest.raises(asyncio.CancelledError):
+        await issued
+    assert await it.aclose_and_drain() == []
+    await it.aclose()
+    await wait_for(lambda: dep.stats("env").cancelled == 1)
+    assert dep.stats("env").requests == 5  # row 5 never admitted, during or after the drain
+    assert list(it) == []
+
+
+async def test_drained_futures_have_exceptions_retrieved(helper: RolloutCollectionHelper) -> None:
+    loop = asyncio.get_running_loop()
+    reports: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: reports.append(ctx))
+    try:
+        it = helper.run_examples([row(0, fault="500")], retry_requests=False)
+        items = list(it)
+        await wait_for(lambda: it.stats().failed == 1)
+        futures = await it.aclose_and_drain()
+        assert len(futures) == 1
+        assert isinstance(futures[0].exception(), ServerHTTPError)
+        del futures, items
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert reports == []
+
+
+async def test_drain_cancels_unclaimed_waiters(dep: Deployment, helper: RolloutCollectionHelper) -> None:
+    it = helper.run_examples([row(0, fault="hang"), row(1, fault="hang")], max_resident_tasks=2)
+    waiter = asyncio.create_task(claim(next(it)))
+    await wait_for(lambda: dep.stats("env").in_flight == 2)
+    assert await it.aclose_and_drain() == []
+    assert await waiter == ("CancelledError", 0)
+    await wait_for(lambda: dep.stats("env").cancelled == 2)
+
+
+async def test_drain_after_aclose_returns_nothing(helper: RolloutCollectionHelper) -> None:
+    it = helper.run_examples([row(0), row(1)])
+    items = list(it)
+    await wait_for(lambda: it.stats().completed == 2)
+    await it.aclose()
+    assert await it.aclose_and_drain() == []
+    assert [(await i)[0]["_ng_task_index"] for i in items] in ([0, 1], [1, 0])
+
+
+# --- the bare iterator (outcomes no server can produce) ---------------------------------------------
+
+
+def started(log: list[int]) -> Callable[[int], Coroutine[Any, Any, int]]:
+    async def run(i: int) -> int:
+        log.append(i)
+        if i < 0:
+            raise asyncio.CancelledError
+        await asyncio.sleep(0)
+        return i
+
+    return run
+
+
+async def test_outcome_cancelled_before_the_snapshot_is_a_cancelled_future() -> None:
+    it: CompletionIterator[int, int] = CompletionIterator([1, -1], started([]))
+    items = list(it)
+    await asyncio.sleep(0.01)
+    futures = await it.aclose_and_drain()
+    assert sorted((f.cancelled(), None if f.cancelled() else f.result()) for f in futures) == [
+        (False, 1),
+        (True, None),
+    ]
+    with pytest.raises(asyncio.CancelledError):
+        await futures[[f.cancelled() for f in futures].index(True)]
+    for item in items:
+        item.close()
+
+
+async def test_bounded_admission_is_lazy_and_ordered() -> None:
+    log: list[int] = []
+    pulled: list[int] = []
+
+    def source() -> Any:
+        for i in range(10):
+            pulled.append(i)
+            yield i
+
+    it: CompletionIterator[int, int] = CompletionIterator(source(), started(log), max_resident_tasks=3)
+    first = next(it)
+    await asyncio.sleep(0.01)
+    assert log == []
+    assert pulled == [0]
+    assert await first == 0
+    await asyncio.sleep(0.01)
+    assert log == [0, 1, 2, 3]
+    assert it.admitted == 4
+    assert sorted([await first2 for first2 in it]) == list(range(1, 10))
+    assert log == list(range(10))
+    await it.aclose()
+
+
+def test_bound_below_one_is_refused() -> None:
+    with pytest.raises(UsageError, match="max_resident_tasks=0"):
+        CompletionIterator([1], started([]), max_resident_tasks=0)
+
+
+async def test_200k_generator_rows_keep_live_tasks_bounded_without_http() -> None:
+    async def run(i: int) -> int:
+        await asyncio.sleep(0)
+        return i
+
+    def rows() -> Any:
+        yield from range(200_000)
+
+    it: CompletionIterator[int, int] = CompletionIterator(rows(), run, max_resident_tasks=256)
+    baseline = len(asyncio.all_tasks())
+    peak = seen = 0
+    async for _ in it:
+        seen += 1
+        if seen % 1000 == 0:
+            peak = max(peak, len(asyncio.all_tasks()) - baseline)
+    await it.aclose()
+    assert seen == 200_000
+    assert it.admitted == 200_000
+    assert peak <= 256

@@ -1,0 +1,164 @@
+"""ShardDriver hand-out logic, in one event loop (no Ray): pull order, waiting, loss, failures, lookahead."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gym_ray import keys
+from gym_ray.distributed.driver import ShardDriver, ShardFailure
+from gym_ray.errors import InputError, ShardIOError, ShardLockError
+from gym_ray.plan.shards import RUN_MANIFEST, iter_plan
+from gym_ray.record.shard_files import shard_paths
+from gym_ray.run.collect import ShardSpec
+
+
+def _specs(count: int, pulled: list[str] | None = None) -> Iterator[ShardSpec]:
+    for index in range(count):
+        label = f"{index:05d}"
+        if pulled is not None:
+            pulled.append(label)
+        yield ShardSpec(run_dir="/unused", shard=label, run_id="r1", config_identity=None, num_rows=10)
+
+
+async def _settle() -> None:
+    # Let the planner task (which steps through a thread) make all the progress it can.
+    for _ in range(50):
+        await asyncio.sleep(0.005)
+
+
+async def test_shards_are_handed_out_in_plan_order_and_none_after_the_last_completes() -> None:
+    driver = ShardDriver(lambda: _specs(3), lookahead=4)
+    got = [await driver.next_shard("w0"), await driver.next_shard("w1"), await driver.next_shard("w0")]
+    assert [spec.shard for spec in got if spec is not None] == ["00000", "00001", "00002"]
+    waiting = asyncio.ensure_future(driver.next_shard("w1"))
+    await _settle()
+    assert not waiting.done()  # shards are in flight elsewhere: w1 waits (their worker might die)
+    for worker, spec in zip(["w0", "w1", "w0"], got, strict=True):
+        assert spec is not None
+        assert await driver.shard_finished(worker, spec.shard) is True
+    assert await waiting is None
+    status = await driver.status()
+    assert (status.completed, status.planned_rows, status.finished, status.plan_done) == (3, 30, True, True)
+    assert status.assignments == {"w0": ("00000", "00002"), "w1": ("00001",)}
+    await driver.close()
+
+
+async def test_a_lost_workers_shards_go_back_to_the_front_and_the_lost_worker_gets_none() -> None:
+    driver = ShardDriver(lambda: _specs(4), lookahead=4)
+    first = await driver.next_shard("w0")
+    second = await driver.next_shard("w0")
+    assert (first and first.shard, second and second.shard) == ("00000", "00001")
+    assert await driver.worker_lost("w0") == ["00000", "00001"]
+    assert await driver.next_shard("w0") is None
+    taken = [await driver.next_shard("w1") for _ in range(4)]
+    assert [spec.shard for spec in taken if spec is not None] == ["00000", "00001", "00002", "00003"]
+    # A late completion from the dead worker does not count.
+    assert await driver.shard_finished("w0", "00000") is False
+    status = await driver.status()
+    assert (status.requeued_total, status.lost_workers, status.in_flight) == (
+        2,
+        ("w0",),
+        {"w1": ("00000", "00001", "00002", "00003")},
+    )
+    await driver.close()
+
+
+async def test_a_waiting_worker_takes_over_a_dead_workers_shard() -> None:
+    driver = ShardDriver(lambda: _specs(1), lookahead=2)
+    spec = await driver.next_shard("w0")
+    assert spec is not None
+    waiting = asyncio.ensure_future(driver.next_shard("w1"))
+    await _settle()
+    assert not waiting.done()
+    await driver.worker_lost("w0")
+    taken = await waiting
+    assert taken == spec
+    assert await driver.shard_finished("w1", spec.shard) is True
+    assert await driver.next_shard("w1") is None
+    await driver.close()
+
+
+async def test_planning_stays_at_most_lookahead_shards_ahead_of_the_hand_out() -> None:
+    pulled: list[str] = []
+    driver = ShardDriver(lambda: _specs(100, pulled), lookahead=3)
+    await driver.start()
+    await _settle()
+    assert len(pulled) == 3
+    await driver.next_shard("w0")
+    await _settle()
+    assert len(pulled) == 4
+    await driver.close()
+    assert len(pulled) == 4
+
+
+async def test_a_planning_error_is_kept_and_stops_the_hand_out() -> None:
+    def planner() -> Iterator[ShardSpec]:
+        yield from _specs(1)
+        raise InputError("rows.jsonl line 7: not JSON; fix the line", path="rows.jsonl", line=7)
+
+    driver = ShardDriver(planner, lookahead=1)
+    first = await driver.next_shard("w0")
+    assert first is not None
+    await _settle()
+    assert await driver.next_shard("w1") is None
+    status = await driver.status()
+    assert isinstance(status.plan_error, InputError)
+    assert (status.plan_error.line, status.finished) == (7, True)
+    await driver.close()
+
+
+@pytest.mark.parametrize(
+    ("worker", "error_type", "aborts"),
+    [
+        pytest.param("w0", ShardIOError.__name__, True, id="io-error-from-owner-aborts"),
+        pytest.param("w0", ShardLockError.__name__, True, id="lock-error-from-owner-aborts"),
+        pytest.param("w9", ShardLockError.__name__, False, id="lock-error-from-superseded-worker-ignored"),
+    ],
+)
+async def test_shard_failures(worker: str, error_type: str, aborts: bool) -> None:
+    driver = ShardDriver(lambda: _specs(3), lookahead=3)
+    spec = await driver.next_shard("w0")
+    assert spec is not None
+    failure = ShardFailure(shard=spec.shard, worker=worker, error_type=error_type, message="boom")
+    assert await driver.shard_failed(failure) is aborts
+    status = await driver.status()
+    assert (len(status.failures), status.finished) == (int(aborts), aborts)
+    assert (await driver.next_shard("w1") is None) is aborts
+    await driver.close()
+
+
+async def test_a_lazy_plan_hands_out_shard_0_before_the_input_is_cut_and_is_closed_on_close(
+    tmp_path: Path,
+) -> None:
+    consumed: list[int] = []
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for task in range(100):
+            consumed.append(task)
+            yield {keys.TASK_INDEX: task, keys.ROLLOUT_INDEX: 0}
+
+    planner = functools.partial(iter_plan, rows(), tmp_path, config_identity=None, shard_size=10)
+    driver = ShardDriver(planner, lookahead=1)
+    first = await driver.next_shard("w0")
+    assert first is not None
+    assert (first.shard, first.num_rows) == ("00000", 10)
+    assert shard_paths(tmp_path, "00000").materialized_inputs.exists()
+    await _settle()
+    assert len(consumed) < 40  # at most lookahead shards are cut ahead of the hand-out
+    assert not shard_paths(tmp_path, "00009").materialized_inputs.exists()
+    await driver.close()
+    # the unfinished planner was closed: its staging folder is gone, the run manifest not completed
+    assert _leftovers(tmp_path) == ([], None)
+
+
+def _leftovers(run_dir: Path) -> tuple[list[str], Any]:
+    """(staging folders left in ``run_dir``, the run manifest's ``num_shards``)."""
+    staging = [p.name for p in run_dir.iterdir() if p.name.startswith(".staging")]
+    return staging, json.loads((run_dir / RUN_MANIFEST).read_text(encoding="utf-8"))["num_shards"]

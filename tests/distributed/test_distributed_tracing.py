@@ -1,0 +1,106 @@
+"""Tracing across Ray workers: the job span on the caller's side, one root span per rollout in the worker
+processes, each linked to the job span (spans from every process land in one ``file`` exporter JSONL), and
+the live progress line of ``acollect(progress=True)``."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gym_ray import keys
+from gym_ray.distributed.api import acollect
+from gym_ray.observe.tracing import JOB_SPAN, ROLLOUT_SPAN, setup_tracing_from_config, shutdown_tracing
+from gym_ray.servers import ThreadedDeployment, bundled_dataset_path, load_bundled_config, start_in_thread
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
+
+ENVS = ("arith_env", "arith_env_hard")
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[ThreadedDeployment]:
+    cfg = load_bundled_config()
+    for env in ENVS:
+        cfg[env]["environment_servers"]["example_env"].update(latency_ms=10, latency_jitter_ms=0)
+    with start_in_thread(cfg) as deployment:
+        yield deployment
+
+
+def _rows(count: int) -> list[dict[str, Any]]:
+    lines = bundled_dataset_path().read_text(encoding="utf-8").splitlines()
+    rows = []
+    for index in range(count):
+        row = json.loads(lines[index % len(lines)])
+        row["row_number"] = index
+        row[keys.AGENT_REF] = {"name": ("arith_agent", "arith_agent_hard")[index % 2]}
+        rows.append(row)
+    return rows
+
+
+def _read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
+async def test_rollout_spans_from_several_workers_link_to_the_job_span(
+    ray_session: Any, servers: ThreadedDeployment, tmp_path: Path
+) -> None:
+    span_file = tmp_path / "spans.jsonl"
+    config = dict(servers.config)
+    config["tracing"] = {"enabled": True, "exporter": "file", "file_path": str(span_file)}
+    try:
+        result = await acollect(
+            config,
+            rows=_rows(40),
+            output_dir=str(tmp_path / "run"),
+            num_workers=2,
+            shard_size=4,
+            max_resident_tasks=4,
+            progress=False,
+        )
+    finally:
+        shutdown_tracing(setup_tracing_from_config(config))
+    spans = _read_jsonl(span_file)
+    jobs = [s for s in spans if s["name"] == JOB_SPAN]
+    assert [(j["pid"], j["parent_span_id"], j["attributes"]["gym_ray.run_id"]) for j in jobs] == [
+        (os.getpid(), None, result.run_id)
+    ]
+    job_link = [{"trace_id": jobs[0]["trace_id"], "span_id": jobs[0]["span_id"]}]
+    rollouts = [s for s in spans if s["name"] == ROLLOUT_SPAN]
+    identities = sorted(
+        (s["attributes"]["gym_ray.task_index"], s["attributes"]["gym_ray.rollout_index"]) for s in rollouts
+    )
+    assert identities == [(task, 0) for task in range(40)]  # exactly one root span per rollout
+    assert {s["parent_span_id"] for s in rollouts} == {None}
+    assert all(s["links"] == job_link for s in rollouts)
+    assert len({s["trace_id"] for s in rollouts}) == 40  # each rollout is its own trace
+    worker_pids = {s["pid"] for s in rollouts}
+    assert len(worker_pids) == 2
+    assert os.getpid() not in worker_pids
+    assert result.succeeded == 40
+
+
+async def test_progress_line_shows_absolute_counts_and_mean_reward_by_server(
+    ray_session: Any, servers: ThreadedDeployment, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = await acollect(
+        servers.config,
+        rows=_rows(30),
+        output_dir=str(tmp_path),
+        num_workers=2,
+        shard_size=5,
+        num_repeats=2,
+        progress=True,
+    )
+    rewards: dict[str, list[float]] = {}
+    for record in _read_jsonl(result.rollouts_path):
+        rewards.setdefault(record[keys.ENVIRONMENT_SERVER], []).append(record[keys.REWARD])
+    means = " ".join(f"{env} {sum(r) / len(r):.2f}" for env, r in sorted(rewards.items()))
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("60/60 (100.0%) ")
+    assert " failed 0 ETA 0s | " in last
+    assert last.endswith(f"| {means}")

@@ -1,0 +1,150 @@
+"""The ledger check: exact figures on crafted run folders, before and after merging and repair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gym_ray import keys
+from gym_ray.errors import ConfigError, InputError
+from gym_ray.record.ledger import check_run
+from gym_ray.record.merge import merge_shards
+from gym_ray.record.shard_files import shard_paths
+from gym_ray.record.writer import ShardWriter
+
+
+def rec(task: int, rollout: int, attempt: int = 0, **extra: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {keys.TASK_INDEX: task, keys.ROLLOUT_INDEX: rollout, **extra}
+    if attempt:
+        record[keys.ATTEMPT_INDEX] = attempt
+    return record
+
+
+def fail(task: int, rollout: int, attempt: int = 0, **extra: Any) -> dict[str, Any]:
+    return rec(task, rollout, attempt, _ng_failure_class="agent_run_error", **extra)
+
+
+def write_shard(
+    run_dir: Path, shard: str, inputs: list[tuple[int, int]], records: list[dict[str, Any]]
+) -> None:
+    with ShardWriter(run_dir, shard, run_id="run-1", config_identity=None, record_omitted_rollouts=True) as w:
+        w.write_materialized_inputs([rec(task, rollout) for task, rollout in inputs])
+        for record in records:
+            w.append(record)
+
+
+def crafted_run(run_dir: Path) -> None:
+    write_shard(
+        run_dir,
+        "a",
+        [(0, 0), (0, 1), (1, 0), (1, 1)],
+        [
+            rec(0, 0),
+            fail(0, 1, _ng_failure_terminal=True),
+            fail(1, 0),
+            fail(1, 0, 1),
+            fail(1, 0, 2),
+            rec(1, 1, _ng_failure_class="cancelled", _ng_dispatch_drained=True, _ng_no_persist=True),
+        ],
+    )
+    write_shard(
+        run_dir,
+        "b",
+        [(2, 0), (3, 0), (3, 1)],
+        [rec(2, 0), rec(2, 0, 1), rec(9, 9), fail(3, 0)],
+    )
+    with shard_paths(run_dir, "b").successes.open("ab") as handle:
+        handle.write(b'{"_ng_task_index":3,"_ng_rol')
+
+
+ACKNOWLEDGED = [(0, 0), (2, 0), (3, 1)]
+REQUESTS = {(0, 0): 1, (0, 1): 2, (1, 0): 3, (2, 0): 3, (3, 1): 1, (1, 1): 1}
+
+
+def test_figures_over_shard_files(tmp_path: Path) -> None:
+    crafted_run(tmp_path)
+    report = check_run(tmp_path, acknowledged=ACKNOWLEDGED, request_counts=REQUESTS)
+    assert report.as_dict() == {
+        "lost": 1,
+        "missing": 3,
+        "duplicates": 1,
+        "unexpected": 1,
+        "corrupt_lines": 1,
+        "unidentified_lines": 0,
+        "wasted_requests": 4,
+        "planned": 7,
+        "recorded": 6,
+        "settled": 5,
+        "source": "shards",
+        "ok": False,
+    }
+    assert report.lost_ids == ((3, 1),)
+    assert report.missing_ids == ((1, 1), (3, 0), (3, 1))
+    assert report.duplicate_ids == ((2, 0),)
+    assert report.unexpected_ids == ((9, 9),)
+    assert report.corrupt_by_file == {"rollouts-b.jsonl": 1}
+
+
+def test_figures_over_merged_output_then_after_repair(tmp_path: Path) -> None:
+    crafted_run(tmp_path)
+    merge_shards(tmp_path)
+    report = check_run(tmp_path, acknowledged=ACKNOWLEDGED)
+    assert report.as_dict() == {
+        "lost": 1,
+        "missing": 3,
+        "duplicates": 0,
+        "unexpected": 1,
+        "corrupt_lines": 1,
+        "unidentified_lines": 0,
+        "wasted_requests": None,
+        "planned": 7,
+        "recorded": 6,
+        "settled": 5,
+        "source": "merged",
+        "ok": False,
+    }
+    ShardWriter(tmp_path, "b", run_id="run-1", config_identity=None).open().close()  # repairs the tail
+    assert check_run(tmp_path).corrupt_lines == 0
+
+
+def test_complete_run_is_ok(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a", [(0, 0), (0, 1)], [rec(0, 1), fail(0, 0), rec(0, 0, 1)])
+    write_shard(tmp_path, "b", [(1, 0)], [fail(1, 0, _ng_failure_terminal=True)])
+    report = check_run(
+        tmp_path, acknowledged=[(0, 0), (0, 1), (1, 0)], request_counts={(0, 0): 2, (0, 1): 1, (1, 0): 1}
+    )
+    assert report.ok
+    assert report.as_dict()["wasted_requests"] == 0
+    assert (report.planned, report.recorded, report.settled) == (3, 3, 3)
+    merge_shards(tmp_path)
+    assert check_run(tmp_path).ok
+
+
+@pytest.mark.parametrize(
+    ("max_attempts", "missing_ids"),
+    [
+        pytest.param(3, (), id="cap-3-settles"),
+        pytest.param(4, ((0, 0),), id="cap-4-still-missing"),
+    ],
+)
+def test_attempt_cap_settles_by_failures(
+    tmp_path: Path, max_attempts: int, missing_ids: tuple[tuple[int, int], ...]
+) -> None:
+    write_shard(tmp_path, "a", [(0, 0)], [fail(0, 0), fail(0, 0, 1), fail(0, 0, 2)])
+    assert check_run(tmp_path, max_rollout_attempts=max_attempts).missing_ids == missing_ids
+
+
+def test_explicit_plan_and_unidentified_lines(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a", [(0, 0), (0, 1)], [rec(0, 0), rec(0, 1), {"reward": 1.0}])
+    report = check_run(tmp_path, planned=[(0, 0), (5, 0)])
+    assert (report.missing_ids, report.unexpected_ids, report.unidentified_lines) == (((5, 0),), ((0, 1),), 1)
+    assert not report.ok
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="does not exist or is not a folder"):
+        check_run(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="max_rollout_attempts=0"):
+        check_run(tmp_path, max_rollout_attempts=0)
