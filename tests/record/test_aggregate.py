@@ -535,7 +535,7 @@ async def test_raise_on_error_reraises_the_original_exception_after_saving(tmp_p
     assert errors["env_b"] == f"ServerHTTPError: {exc}"
     assert errors["env_down"] is not None
     frames = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(exc.__traceback__)]
-    assert any(name.endswith("gym_ray/client.py") for name in frames)
+    assert any(name.endswith("gym_ray/dispatch/client.py") for name in frames)
 
 
 async def test_reply_of_the_wrong_shape_is_an_aggregation_error(tmp_path: Path) -> None:
