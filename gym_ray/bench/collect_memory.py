@@ -135,7 +135,7 @@ def _child(
 ) -> None:
     """Body of one measurement process: import, note the baseline peak, collect (or only plan), report."""
     try:
-        from gym_ray.config.topology import Topology
+        from gym_ray.config.run_config import RunConfig
         from gym_ray.plan.shards import iter_prepare_run
         from gym_ray.run.collect import (
             acollect_local,  # imported before the baseline so it counts as baseline
@@ -150,7 +150,7 @@ def _child(
             started, cpu_started = time.perf_counter(), time.process_time()
             if stage == "plan":
                 cfg = {**config, "input_jsonl_fpath": input_path, "output_dir": output_dir, "num_repeats": 1}
-                planned = sum(spec.num_rows for spec in iter_prepare_run(cfg, Topology.from_config(cfg)))
+                planned = sum(spec.num_rows for spec in iter_prepare_run(RunConfig.from_dict(cfg)))
                 succeeded = failed = 0
             else:
                 result = asyncio.run(

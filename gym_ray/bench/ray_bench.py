@@ -48,9 +48,8 @@ import psutil
 
 from gym_ray import keys
 from gym_ray.bench.latency import BareTarget, _share, bare_aiohttp_loop, run_wrk
-from gym_ray.config.settings import RunSettings
+from gym_ray.config.run_config import resolve_run_config
 from gym_ray.distributed.api import RunActors, _ray_connection, plan_from_config, run_actors
-from gym_ray.run.collect import resolve_run_config
 from gym_ray.servers import ServerStats, load_bundled_config
 from gym_ray.servers.datagen import arithmetic_rows, write_jsonl
 
@@ -260,7 +259,7 @@ async def _run(
     """One distributed run of ``rows`` rows against ``servers``; the run figures and what the sampler saw."""
     input_path = _input_file(folder, rows)
     probe = _Probe()
-    cfg = resolve_run_config(
+    run_config = await resolve_run_config(
         servers.config,
         settings={
             "input_jsonl_fpath": str(input_path),
@@ -281,9 +280,8 @@ async def _run(
 
     run = asyncio.ensure_future(
         run_actors(
-            cfg,
-            RunSettings.from_config(cfg),
-            functools.partial(plan_from_config, cfg, None),
+            run_config,
+            functools.partial(plan_from_config, run_config, None),
             run_dir=str(folder / f"run_{rows}_{latency_ms:g}"),
             num_workers=num_workers,
             started_at=started,

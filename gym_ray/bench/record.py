@@ -15,22 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from gym_ray.bench.dispatch import _bare_loop, _env_url, bench_rows, serve_bench_server
-from gym_ray.config.settings import RunSettings
-from gym_ray.config.topology import Topology
+from gym_ray.config.run_config import RunConfig
 from gym_ray.run.collect import client_for, plan_run, run_shard
 
 
 async def _record_loop(config: dict[str, Any], folder: Path, n: int, concurrency: int) -> dict[str, float]:
-    topology = Topology.from_config(config)
-    settings = RunSettings.from_config(
-        {"max_resident_tasks": concurrency, "max_connections": concurrency, "shard_size": n}
+    run = RunConfig.from_dict(
+        {**config, "max_resident_tasks": concurrency, "max_connections": concurrency, "shard_size": n}
     )
+    topology = run.topology
     cpu0 = time.process_time()
     plan = plan_run(bench_rows(n), folder, config_identity=topology.identity_digest(), shard_size=n)
     plan_cpu = time.process_time() - cpu0
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    async with client_for(topology, settings) as client:
-        report = await run_shard(plan.shards[0], client=client, topology=topology, settings=settings)
+    async with client_for(run) as client:
+        report = await run_shard(plan.shards[0], client=client, run=run)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     if report.succeeded != n:
         raise RuntimeError(f"recorded {report.succeeded} of {n} rollouts")

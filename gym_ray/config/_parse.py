@@ -185,10 +185,6 @@ class ServerInstance:
         object.__setattr__(self, "fields", freeze(self.fields, path))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        fields = (self.name, self.server_type, self.implementation, self.host, self.port, thaw(self.fields))
-        return (ServerInstance, fields)
-
-    def __reduce__(self) -> tuple[Any, ...]:
         # MappingProxyType does not pickle; rebuild from plain fields (__post_init__ freezes again).
         return (
             type(self),

@@ -393,5 +393,15 @@ class Topology:
 
 def _restore_topology(state: dict[str, Any]) -> Topology:
     """Rebuild a pickled :class:`Topology` from its fields (see ``Topology.__reduce__``)."""
-    proxied = {"instances", "routes", "agent_map", "_bound", "_fronted", "_attributed", "_datasets", "_allowed"}
-    return Topology(**{k: MappingProxyType(v) if k in proxied else v for k, v in state.items()})
+    proxied = {
+        "instances",
+        "routes",
+        "agent_map",
+        "_bound",
+        "_fronted",
+        "_attributed",
+        "_datasets",
+        "_allowed",
+    }
+    fields: dict[str, Any] = {k: MappingProxyType(v) if k in proxied else v for k, v in state.items()}
+    return Topology(**fields)

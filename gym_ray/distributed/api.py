@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gym_ray.config.run_config import ConfigSource, RunConfig, resolve_run_config
 from gym_ray.distributed.coordinator import FinalizeFn, RunCoordinator
 from gym_ray.distributed.driver import Planner, ShardDriver, driver_max_concurrency
 from gym_ray.distributed.live import (
@@ -52,10 +53,9 @@ from gym_ray.distributed.worker import (
 )
 from gym_ray.errors import ConfigError, InternalError, NoProgressError, UsageError
 from gym_ray.observe.progress import ProgressDisplay
-from gym_ray.observe.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing_from_config
+from gym_ray.observe.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing
 
 if TYPE_CHECKING:
-    from gym_ray.config.settings import RunSettings
     from gym_ray.run.collect import RunResult, ShardSpec
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class RunActors:
     totals: dict[str, WorkerTotals] = field(default_factory=dict)
 
 
-def plan_from_config(config: Mapping[str, Any], rows: Any = None) -> Iterator[ShardSpec]:
+def plan_from_config(run: RunConfig, rows: Any = None) -> Iterator[ShardSpec]:
     """Default planner (runs in the driver actor): validate the input rows, then plan the run lazily.
 
     Uses :func:`gym_ray.plan.shards.iter_prepare_run`: a whole validation pass first (bad input raises before
@@ -90,24 +90,21 @@ def plan_from_config(config: Mapping[str, Any], rows: Any = None) -> Iterator[Sh
     are verified by digest and reused.
 
     Args:
-        config: The plain global config, with the topology already resolved (``Topology.raw``).
+        run: The run's config, with the topology already resolved.
         rows: ``None`` to read ``input_jsonl_fpath``, or an ``ObjectRef`` of a list of rows.
 
     Returns:
         The planned shards, in input order (a generator: planning happens as it is consumed).
     """
-    from gym_ray.config.topology import Topology
     from gym_ray.plan.shards import iter_prepare_run
 
-    cfg = dict(config)
     # This runs in a thread of the async driver actor: wait on the ref's future (ray.get would warn).
     source: list[dict[str, Any]] | None = rows.future().result() if rows is not None else None
-    return iter_prepare_run(cfg, Topology.from_config(cfg), rows=source)
+    return iter_prepare_run(run, rows=source)
 
 
 async def run_actors(
-    config: Mapping[str, Any],
-    settings: RunSettings,
+    run: RunConfig,
     planner: Planner,
     *,
     run_dir: str,
@@ -129,8 +126,7 @@ async def run_actors(
     workers (replacing dead ones), then finalizes through the coordinator.
 
     Args:
-        config: The plain global config.
-        settings: The run's settings.
+        run: The run's config (shipped to every actor as this object).
         planner: Yields the run's shards (see :class:`~gym_ray.distributed.driver.ShardDriver`).
         run_dir: The run folder.
         num_workers: Worker actors to start.
@@ -159,6 +155,7 @@ async def run_actors(
     """
     import ray
 
+    settings = run.settings
     started = time.monotonic() if started_at is None else started_at
     if num_workers < 1:
         raise UsageError(f"num_workers must be >= 1, got {num_workers}; pass num_workers=1 or more")
@@ -181,7 +178,7 @@ async def run_actors(
     coordinator: Any = (
         ray.remote(RunCoordinator)
         .options(num_cpus=0, max_concurrency=coordinator_concurrency)
-        .remote(run_dir, dict(config), settings, finalize_fn=finalize_fn)
+        .remote(run_dir, run, finalize_fn=finalize_fn)
     )
     driver: Any = (
         ray.remote(ShardDriver)
@@ -198,8 +195,7 @@ async def run_actors(
             worker_id,
             driver,
             coordinator,
-            dict(config),
-            settings,
+            run,
             shard_fn=shard_fn,
             shards_in_flight=shards_in_flight,
             traceparent=traceparent,
@@ -234,10 +230,10 @@ async def run_actors(
             )
         while runs:
             done, _ = await asyncio.wait(runs, return_when=asyncio.FIRST_COMPLETED)
-            for run in done:
-                worker_id = runs.pop(run)
+            for call in done:
+                worker_id = runs.pop(call)
                 try:
-                    actors.totals[worker_id] = run.result()
+                    actors.totals[worker_id] = call.result()
                 except ray.exceptions.RayActorError as exc:
                     actors.lost.append(worker_id)
                     requeued = await driver.worker_lost.remote(worker_id)
@@ -344,7 +340,7 @@ def _default_num_workers(ray_module: Any) -> int:
 
 
 async def acollect(
-    config: Mapping[str, Any] | str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    config: ConfigSource | RunConfig,
     *,
     address: str | None = None,
     num_workers: int | None = None,
@@ -361,7 +357,8 @@ async def acollect(
         print(result.succeeded, result.key_metrics)
 
     Args:
-        config: A config dict, or the path(s) of YAML config file(s).
+        config: A config dict, the path(s) of YAML config file(s), or a built
+            :class:`~gym_ray.config.run_config.RunConfig`.
         address: A Ray cluster to join (default: ``RAY_ADDRESS``, else a local Ray started for this run).
         num_workers: Worker actors (default: the ``num_workers`` setting, else the cluster's CPU count,
             at most 16).
@@ -384,12 +381,10 @@ async def acollect(
         GymRayError: Planning or a shard failed; the run folder is resumable.
         CancelledError: Cancelled; the actors are stopped, the run folder is resumable.
     """
-    from gym_ray.config.settings import RunSettings
-    from gym_ray.run.collect import resolve_run_config, resolve_topology
-
     started = time.monotonic()
-    cfg = resolve_run_config(config, overrides=overrides, settings=settings)
-    run_settings = RunSettings.from_config(cfg)
+    # Config errors surface here, before Ray starts; a head-only config is completed from the head.
+    run = await resolve_run_config(config, overrides=overrides, settings=settings)
+    run_settings = run.settings
     if run_settings.output_dir is None:
         raise ConfigError(
             "config key 'output_dir' is not set: a distributed run needs a run folder; pass output_dir=...",
@@ -401,21 +396,18 @@ async def acollect(
             "or rows=[...]",
             key="input_jsonl_fpath",
         )
-    # Config errors surface here, before Ray starts; a head-only config is completed from the head.
-    resolved = (await resolve_topology(cfg)).raw
     run_dir = str(Path(run_settings.output_dir))
-    tracer = setup_tracing_from_config(resolved)
+    tracer = setup_tracing(run.tracing)
     show = sys.stderr.isatty() if progress is None else progress
     view = _ProgressView() if show else None
     try:
         async with _ray_connection(address) as ray:
             workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
             rows_ref = ray.put([dict(row) for row in rows]) if rows is not None else None
-            planner = functools.partial(plan_from_config, resolved, rows_ref)
+            planner = functools.partial(plan_from_config, run, rows_ref)
             with job_span(tracer, run_dir=run_dir) as span:
                 result = await run_actors(
-                    resolved,
-                    run_settings,
+                    run,
                     planner,
                     run_dir=run_dir,
                     num_workers=workers,
@@ -453,7 +445,7 @@ class _ProgressView:
 
 
 def collect(
-    config: Mapping[str, Any] | str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    config: ConfigSource | RunConfig,
     *,
     address: str | None = None,
     num_workers: int | None = None,

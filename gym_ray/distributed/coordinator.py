@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from gym_ray.record.atomic import atomic_write_bytes
 
 if TYPE_CHECKING:
-    from gym_ray.config.settings import RunSettings
-    from gym_ray.config.topology import Topology
+    from gym_ray.config.run_config import RunConfig
     from gym_ray.dispatch.client import ServerClient
     from gym_ray.run.collect import RunPlan, RunResult, ShardReport, ShardSpec
 
@@ -50,9 +49,8 @@ class FinalizeFn(Protocol):
         plan: RunPlan,
         reports: Iterable[ShardReport],
         *,
-        topology: Topology,
+        run: RunConfig,
         client: ServerClient,
-        settings: RunSettings,
         wall_s: float,
         num_workers: int = 1,
     ) -> Awaitable[RunResult]: ...
@@ -112,16 +110,15 @@ class RunCoordinator:
     def __init__(
         self,
         run_dir: str,
-        config: Mapping[str, Any],
-        settings: RunSettings,
+        run: RunConfig,
         *,
         finalize_fn: FinalizeFn | None = None,
-        client_factory: Callable[[Topology, RunSettings], ServerClient] | None = None,
+        client_factory: Callable[[RunConfig], ServerClient] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._run_dir = run_dir
-        self._config = dict(config)
-        self._settings = settings
+        self._run = run
+        self._settings = run.settings
         self._finalize_fn = finalize_fn or _default_finalize()
         self._client_factory = client_factory
         self._clock = clock
@@ -223,19 +220,15 @@ class RunCoordinator:
         Raises:
             AggregationError / RecordError: From ``finalize_run``; the run folder stays resumable.
         """
-        from gym_ray.config.topology import Topology
-
-        topology = Topology.from_config(self._config)
         factory = self._client_factory or _default_client
         if wall_s is None:
             wall_s = self._clock() - self._started
-        async with factory(topology, self._settings) as client:
+        async with factory(self._run) as client:
             result = await self._finalize_fn(
                 self._plan(),
                 list(self._reports),
-                topology=topology,
+                run=self._run,
                 client=client,
-                settings=self._settings,
                 wall_s=wall_s,
                 num_workers=num_workers,
             )
@@ -303,7 +296,7 @@ class RunCoordinator:
         atomic_write_bytes(path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
 
 
-def _default_client(topology: Topology, settings: RunSettings) -> ServerClient:
+def _default_client(run: RunConfig) -> ServerClient:
     from gym_ray.run.collect import client_for
 
-    return client_for(topology, settings)
+    return client_for(run)

@@ -52,8 +52,8 @@ from gym_ray.distributed.driver import ShardFailure
 from gym_ray.errors import GymRayError, InternalError
 
 if TYPE_CHECKING:
+    from gym_ray.config.run_config import RunConfig
     from gym_ray.config.settings import RunSettings
-    from gym_ray.config.topology import Topology
     from gym_ray.dispatch.client import ServerClient
     from gym_ray.run.collect import OutcomeHook, ShardReport, ShardSpec
 
@@ -73,8 +73,7 @@ class ShardFn(Protocol):
         spec: ShardSpec,
         *,
         client: ServerClient,
-        topology: Topology,
-        settings: RunSettings,
+        run: RunConfig,
         semaphore: asyncio.Semaphore | None = None,
         on_outcome: OutcomeHook | None = None,
         worker: str | None = None,
@@ -161,10 +160,10 @@ def _default_shard_fn() -> ShardFn:
     return run_shard
 
 
-def _default_client(topology: Topology, settings: RunSettings) -> ServerClient:
+def _default_client(run: RunConfig) -> ServerClient:
     from gym_ray.run.collect import client_for
 
-    return client_for(topology, settings)
+    return client_for(run)
 
 
 class RolloutWorker:
@@ -190,12 +189,11 @@ class RolloutWorker:
         worker_id: str,
         driver: Any,
         coordinator: Any,
-        config: Mapping[str, Any],
-        settings: RunSettings,
+        run: RunConfig,
         *,
         shard_fn: ShardFn | None = None,
         shards_in_flight: int = DEFAULT_SHARDS_IN_FLIGHT,
-        client_factory: Callable[[Topology, RunSettings], ServerClient] | None = None,
+        client_factory: Callable[[RunConfig], ServerClient] | None = None,
         clock: Callable[[], float] = time.monotonic,
         traceparent: str | None = None,
     ) -> None:
@@ -204,8 +202,8 @@ class RolloutWorker:
         self._worker_id = worker_id
         self._driver = driver
         self._coordinator = coordinator
-        self._config = dict(config)
-        self._settings = settings
+        self._run = run
+        self._settings = run.settings
         self._shard_fn = shard_fn or _default_shard_fn()
         self._lanes = shards_in_flight
         self._client_factory = client_factory or _default_client
@@ -244,13 +242,11 @@ class RolloutWorker:
         Raises:
             CancelledError: ``ray.cancel`` of this call; every shard writer and the client are closed.
         """
-        from gym_ray.config.topology import Topology
-        from gym_ray.observe.tracing import attach_traceparent, setup_tracing_from_config
+        from gym_ray.observe.tracing import attach_traceparent, setup_tracing
         from gym_ray.run.collect import run_shards
 
         started = self._clock()
-        topology = Topology.from_config(self._config)
-        tracer = setup_tracing_from_config(self._config)
+        tracer = setup_tracing(self._run.tracing)
         logger.info(
             "worker %s (pid %d): max_resident_tasks=%d shared by %d shard lanes, max_connections=%d, "
             "actor max_concurrency=%d, request_timeout_s=%s, connect_timeout_s=%s, tracing=%s",
@@ -265,13 +261,12 @@ class RolloutWorker:
             "off" if tracer is None else tracer.settings.exporter,
         )
         traceparent = self._traceparent if tracer is not None else None
-        async with self._client_factory(topology, self._settings) as client:
+        async with self._client_factory(self._run) as client:
             with attach_traceparent(traceparent):
                 await run_shards(
                     self._next_spec,
                     client=client,
-                    topology=topology,
-                    settings=self._settings,
+                    run=self._run,
                     parallel_shards=self._lanes,
                     on_report=self._on_report,
                     worker=self._worker_id,
@@ -299,8 +294,7 @@ class RolloutWorker:
         spec: ShardSpec,
         *,
         client: ServerClient,
-        topology: Topology,
-        settings: RunSettings,
+        run: RunConfig,
         semaphore: asyncio.Semaphore | None = None,
         on_outcome: OutcomeHook | None = None,
         worker: str | None = None,
@@ -316,8 +310,7 @@ class RolloutWorker:
         return await self._shard_fn(
             spec,
             client=client,
-            topology=topology,
-            settings=settings,
+            run=run,
             semaphore=semaphore,
             on_outcome=count,
             worker=worker,

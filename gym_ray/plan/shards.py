@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from gym_ray import keys
+from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, ResumeError, UsageError
@@ -450,8 +451,7 @@ def input_rows(
 
 
 def prepare_run(
-    cfg: dict[str, Any],
-    topology: Topology,
+    run: RunConfig,
     *,
     rows: Iterable[Mapping[str, Any]] | None = None,
 ) -> RunPlan:
@@ -461,14 +461,14 @@ def prepare_run(
     validates (every problem reported together, before anything is written), the second cuts and writes
     shards. Memory holds the small shard specs, never rows.
     """
-    root = Path(_output_dir(cfg))
+    root = Path(_output_dir(run.settings))
     resumed = (root / RUN_MANIFEST).exists()
-    specs = tuple(iter_prepare_run(cfg, topology, rows=rows))
+    specs = tuple(iter_prepare_run(run, rows=rows))
     manifest = _read_run_manifest(root) or {}
     return RunPlan(
         run_dir=str(root),
         run_id=str(manifest.get("run_id", specs[0].run_id if specs else "")),
-        config_identity=topology.identity_digest(),
+        config_identity=run.topology.identity_digest(),
         planned=sum(spec.num_rows for spec in specs),
         shards=specs,
         resumed=resumed,
@@ -476,8 +476,7 @@ def prepare_run(
 
 
 def iter_prepare_run(
-    cfg: dict[str, Any],
-    topology: Topology,
+    run: RunConfig,
     *,
     rows: Iterable[Mapping[str, Any]] | None = None,
 ) -> Generator[ShardSpec, None, None]:
@@ -499,8 +498,8 @@ def iter_prepare_run(
         InputError: The input changed between the validation pass and the planning pass.
         ResumeError: The run folder holds another run (see :func:`iter_plan`).
     """
-    settings = RunSettings.from_config(cfg)
-    output_dir = _output_dir(cfg)
+    settings, topology = run.settings, run.topology
+    output_dir = _output_dir(settings)
     source = input_rows(settings, topology, rows)
     counted = 0
 
@@ -545,8 +544,8 @@ def _checked(rows: Iterator[dict[str, Any]], replay: DedupeReplay) -> Iterator[d
     replay.finish()
 
 
-def _output_dir(cfg: Mapping[str, Any]) -> str:
-    output_dir = RunSettings.from_config(cfg).output_dir
+def _output_dir(settings: RunSettings) -> str:
+    output_dir = settings.output_dir
     if output_dir is None:
         raise UsageError("no output folder: set output_dir in the config (+output_dir=runs/r1)")
     return str(output_dir)

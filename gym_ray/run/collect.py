@@ -6,8 +6,7 @@ same ``plan_run``, ``run_shard`` and ``finalize_run``; Ray only decides which pr
 Durability promises (see RELIABILITY.md):
 
 - Planning (:mod:`gym_ray.plan.shards`) validates every row before anything is written and is
-deterministic, so a
-  rerun on the same folder resumes it.
+  deterministic, so a rerun on the same folder resumes it.
 - ``run_shard`` opens the shard's writer with a new token (a zombie writer of the same shard fails on its
   next append), runs only what ``plan_resume`` says is missing, and appends each outcome as soon as it
   arrives: a rollout reported as done is on disk.
@@ -16,8 +15,6 @@ deterministic, so a
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import sys
 import time
 from collections import Counter
@@ -28,16 +25,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from gym_ray import keys
-from gym_ray.config.settings import RunSettings, load_config
-from gym_ray.config.topology import Topology
+from gym_ray.config.run_config import ConfigSource, RunConfig, resolve_run_config
+from gym_ray.config.settings import RunSettings
 from gym_ray.dispatch import latency
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.engine import dispatch
-from gym_ray.dispatch.head import fetch_global_config
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
-from gym_ray.errors import NoProgressError, UsageError
+from gym_ray.errors import NoProgressError
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
-from gym_ray.observe.tracing import job_span, setup_tracing_from_config
+from gym_ray.observe.tracing import job_span, setup_tracing
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.shards import (
     DEFAULT_SHARD_SIZE,
@@ -73,8 +69,6 @@ __all__ = [
     "input_rows",
     "plan_run",
     "prepare_run",
-    "resolve_run_config",
-    "resolve_topology",
     "run_shard",
     "run_shards",
 ]
@@ -137,8 +131,7 @@ async def run_shard(
     spec: ShardSpec,
     *,
     client: ServerClient,
-    topology: Topology,
-    settings: RunSettings,
+    run: RunConfig,
     semaphore: asyncio.Semaphore | None = None,
     on_outcome: OutcomeHook | None = None,
     worker: str | None = None,
@@ -148,8 +141,7 @@ async def run_shard(
     Args:
         spec: The shard, planned on disk by :func:`plan_run`.
         client: The HTTP client pool of this process.
-        topology: The running config.
-        settings: The run's settings (concurrency, budget, attempts cap, retries).
+        run: The run's config (topology; concurrency, budget, attempts cap, retries; tracing).
         semaphore: Shared across the shards one worker runs at once, so the concurrency window stays
             full across shard boundaries.
         on_outcome: Called with ``(row, record)`` after each record is on disk (streams, progress).
@@ -163,6 +155,7 @@ async def run_shard(
         ShardIOError: A write or fsync failed; the shard is failed and resumable.
     """
     started = time.monotonic()
+    settings = run.settings
     writer = ShardWriter(
         spec.run_dir,
         spec.shard,
@@ -185,14 +178,14 @@ async def run_shard(
         completions = dispatch(
             pending,
             client,
-            topology,
+            run.topology,
             semaphore=semaphore,
             max_resident_tasks=settings.max_resident_tasks,
             dispatch_budget_s=settings.dispatch_budget_s,
             drain_margin_s=settings.drain_margin_s,
             route_failures_to_sidecar=settings.route_failures_to_sidecar,
             retry_requests=settings.retry_requests,
-            tracer=setup_tracing_from_config(topology.raw),  # None (no overhead) unless tracing.enabled
+            tracer=setup_tracing(run.tracing),  # None (no overhead) unless tracing.enabled
         )
         stall_s = settings.no_progress_timeout_s
         loop = asyncio.get_running_loop()
@@ -247,8 +240,7 @@ async def run_shards(
     next_spec: Callable[[], Awaitable[ShardSpec | None]],
     *,
     client: ServerClient,
-    topology: Topology,
-    settings: RunSettings,
+    run: RunConfig,
     parallel_shards: int = 2,
     on_report: Callable[[ShardReport], Awaitable[None]] | None = None,
     on_outcome: OutcomeHook | None = None,
@@ -265,8 +257,7 @@ async def run_shards(
     Args:
         next_spec: Hands out the next shard, or None when there is none left (each lane then stops).
         client: The HTTP client pool of this process.
-        topology: The running config.
-        settings: The run's settings.
+        run: The run's config.
         parallel_shards: Lanes (shards run at once).
         on_report: Awaited with each finished shard's report, in the lane that ran it.
         on_outcome: Passed to the shard function (called per record on disk).
@@ -280,7 +271,7 @@ async def run_shards(
         The reports of the shards that finished, in completion order.
     """
     run_one = shard_fn or run_shard
-    semaphore = asyncio.Semaphore(settings.max_resident_tasks)
+    semaphore = asyncio.Semaphore(run.settings.max_resident_tasks)
     reports: list[ShardReport] = []
 
     async def lane() -> None:
@@ -289,8 +280,7 @@ async def run_shards(
                 report = await run_one(
                     spec,
                     client=client,
-                    topology=topology,
-                    settings=settings,
+                    run=run,
                     semaphore=semaphore,
                     on_outcome=on_outcome,
                     worker=worker,
@@ -314,58 +304,14 @@ async def run_shards(
 
 
 # --------------------------------------------------------------------------------------------------
-# config and inputs
+# the HTTP client
 
 
-def resolve_run_config(
-    config: Mapping[str, Any] | str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
-    *,
-    overrides: Iterable[str] = (),
-    settings: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The merged global config of a run: YAML file(s) or a dict, then overrides, then keyword settings.
-
-    Args:
-        config: A config dict, a YAML path, or several YAML paths merged in order.
-        overrides: ``key=value`` / ``+key=value`` / ``++key=value`` (YAML paths only).
-        settings: Top-level run settings (``output_dir``, ``num_repeats``, ...) that win over the config.
-
-    Returns:
-        A plain dict (a copy: the caller's dict is never mutated).
-    """
-    overrides = list(overrides)
-    if isinstance(config, Mapping):
-        if overrides:
-            raise UsageError(
-                "overrides apply to YAML config files; for a config dict pass settings as keyword "
-                "arguments (e.g. output_dir='runs/r1')"
-            )
-        cfg: dict[str, Any] = json.loads(json.dumps(config))
-    else:
-        paths = [config] if isinstance(config, str | os.PathLike) else list(config)
-        cfg = load_config(paths, overrides)
-    for key, value in (settings or {}).items():
-        cfg[key] = value
-    return cfg
-
-
-async def resolve_topology(cfg: dict[str, Any], *, client_timeout_s: float = 30.0) -> Topology:
-    """The topology of a run: the config's own server instances, or the head server's when it has none.
-
-    A config that names only ``head_server`` (a running NeMo Gym deployment) is completed from the head's
-    ``/global_config_dict_yaml``; the run settings of ``cfg`` win over the head's.
-    """
-    local = Topology.from_config(cfg)
-    if local.instances or local.head_url is None:
-        return local
-    remote = await fetch_global_config(local.head_url, timeout_s=client_timeout_s)
-    return Topology.from_config({**remote, **cfg})
-
-
-def client_for(topology: Topology, settings: RunSettings) -> ServerClient:
+def client_for(run: RunConfig) -> ServerClient:
     """The HTTP client pool of one process, sized from the run's settings."""
+    settings = run.settings
     return ServerClient(
-        topology,
+        run.topology,
         max_connections=settings.max_connections,
         connect_timeout_s=settings.connect_timeout_s,
         request_timeout_s=settings.request_timeout_s,
@@ -381,9 +327,8 @@ async def finalize_run(
     plan: RunPlan,
     reports: Iterable[ShardReport],
     *,
-    topology: Topology,
+    run: RunConfig,
     client: ServerClient,
-    settings: RunSettings,
     wall_s: float,
     num_workers: int = 1,
 ) -> RunResult:
@@ -394,6 +339,7 @@ async def finalize_run(
     summary is written, and then one :class:`~gym_ray.errors.AggregationError` names every failed server.
     """
     reports = list(reports)
+    settings = run.settings
     root = Path(plan.run_dir)
     merged = await asyncio.to_thread(merge_shards, root)
     settled = merged.successes + merged.terminal_failures
@@ -409,7 +355,7 @@ async def finalize_run(
             made_progress=any(r.succeeded or r.failed for r in reports),
             strict=True,
         )
-    metrics_path = await aggregate_run(root, topology, client, raise_on_error=False)
+    metrics_path = await aggregate_run(root, run.topology, client, raise_on_error=False)
     entries = read_metrics_summary(metrics_path) if metrics_path else []
     key_metrics = {e["_ng_environment_server"]: e.get("key_metrics", {}) for e in entries}
     errors = {
@@ -453,7 +399,7 @@ async def finalize_run(
 
 
 async def acollect_local(
-    config: Mapping[str, Any] | str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    config: ConfigSource | RunConfig,
     *,
     rows: Iterable[Mapping[str, Any]] | None = None,
     overrides: Iterable[str] = (),
@@ -466,7 +412,7 @@ async def acollect_local(
     again on the same ``output_dir`` resumes: only what is missing is dispatched.
 
     Args:
-        config: A config dict or YAML path(s).
+        config: A config dict, YAML path(s), or a :class:`~gym_ray.config.run_config.RunConfig`.
         rows: Input rows (a list); default: the config's ``input_jsonl_fpath``.
         overrides: YAML-path overrides (``+output_dir=runs/r1``).
         progress: Show a :class:`~gym_ray.observe.progress.ProgressDisplay` on stderr (rollouts this call
@@ -478,10 +424,8 @@ async def acollect_local(
         The run result (paths, counts, key metrics per environment server).
     """
     started = time.monotonic()
-    cfg = resolve_run_config(config, overrides=overrides, settings=settings)
-    run_settings = RunSettings.from_config(cfg)
-    topology = await resolve_topology(cfg)
-    plan = await asyncio.to_thread(prepare_run, cfg, topology, rows=rows)
+    run = await resolve_run_config(config, overrides=overrides, settings=settings)
+    plan = await asyncio.to_thread(prepare_run, run, rows=rows)
     specs = iter(plan.shards)
 
     async def next_spec() -> ShardSpec | None:
@@ -489,24 +433,22 @@ async def acollect_local(
 
     display = ProgressDisplay(0, stream=sys.stderr, enabled=progress)
     if display.enabled:
-        display.total = await asyncio.to_thread(_pending_count, plan, run_settings)
-    tracer = setup_tracing_from_config(cfg)
+        display.total = await asyncio.to_thread(_pending_count, plan, run.settings)
+    tracer = setup_tracing(run.tracing)
     with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
-        async with client_for(topology, run_settings) as client:
+        async with client_for(run) as client:
             with display:
                 reports = await run_shards(
                     next_spec,
                     client=client,
-                    topology=topology,
-                    settings=run_settings,
+                    run=run,
                     on_outcome=ProgressCounter(display) if display.enabled else None,
                 )
             return await finalize_run(
                 plan,
                 reports,
-                topology=topology,
+                run=run,
                 client=client,
-                settings=run_settings,
                 wall_s=time.monotonic() - started,
             )
 

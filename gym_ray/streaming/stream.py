@@ -276,10 +276,9 @@ class RolloutStream:
     async def _start(self) -> None:
         import ray
 
-        from gym_ray.run.collect import resolve_run_config, resolve_topology
+        from gym_ray.config.run_config import resolve_run_config
 
-        cfg = resolve_run_config(self._config)
-        self._topology = await resolve_topology(cfg)
+        self._topology = (await resolve_run_config(self._config)).topology
         if not ray.is_initialized():
             if self._address is None and not os.environ.get("RAY_ADDRESS"):
                 init = functools.partial(ray.init, num_cpus=os.cpu_count() or 1, include_dashboard=False)
@@ -323,7 +322,7 @@ class RolloutStream:
         )
         slot.handle = worker.remote(
             f"w{slot.index}.{slot.incarnation}",
-            self._topology.raw,
+            self._topology,
             max_in_flight=slot.quota,
             inbox_size=slot.quota,
             request_timeout_s=self._timeout_s,

@@ -30,11 +30,14 @@ import os
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gym_ray import keys
 from gym_ray.dispatch.outcomes import CompletedRollout, RolloutFailureRecord, build_record
 from gym_ray.errors import GymRayError, InternalError
+
+if TYPE_CHECKING:
+    from gym_ray.config.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +102,7 @@ class StreamWorker:
 
     Args:
         worker_id: The worker's name (also its shard label suffix when recording).
-        config: The plain global config (the topology is built inside the actor).
+        topology: The running config, parsed (shipped as the object; never parsed again here).
         max_in_flight: Admission credits of this worker (>= 1).
         inbox_size: Rows ``submit`` may park before it waits for admission (>= 1).
         request_timeout_s: Timeout of each ``/run`` request (None: no limit).
@@ -113,7 +116,7 @@ class StreamWorker:
     def __init__(
         self,
         worker_id: str,
-        config: Mapping[str, Any],
+        topology: Topology,
         *,
         max_in_flight: int,
         inbox_size: int,
@@ -127,7 +130,7 @@ class StreamWorker:
         if max_in_flight < 1 or inbox_size < 1:
             raise InternalError(f"max_in_flight={max_in_flight} and inbox_size={inbox_size} must be >= 1")
         self._worker_id = worker_id
-        self._config = dict(config)
+        self._topology = topology
         self._max_in_flight = max_in_flight
         self._inbox_size = inbox_size
         self._request_timeout_s = request_timeout_s
@@ -246,7 +249,6 @@ class StreamWorker:
         Raises:
             GymRayError: Recording failed (the error is also raised by later ``pull`` calls).
         """
-        from gym_ray.config.topology import Topology
         from gym_ray.dispatch.client import ServerClient
         from gym_ray.record.writer import ShardWriter
 
@@ -254,7 +256,7 @@ class StreamWorker:
             raise InternalError(f"stream worker {self._worker_id}: run() called twice")
         self._started = True
         try:
-            topology = Topology.from_config(self._config)
+            topology = self._topology
             logger.info(
                 "stream worker %s (pid %d): max_in_flight=%d inbox_size=%d, TCPConnector limit=%d, "
                 "request_timeout_s=%s connect_timeout_s=%s, actor max_concurrency=%d, record_dir=%s",
