@@ -57,9 +57,8 @@ class RunConfig:
         return cls(settings=settings, topology=Topology.from_config(cfg), tracing=tracing)
 
     def with_settings(self, **changes: Any) -> RunConfig:
-        """A copy whose settings have ``changes`` applied (checked like the config's own values)."""
-        data = {**self.settings.model_dump(exclude_unset=True), **changes}
-        return RunConfig(RunSettings.from_config(data), self.topology, self.tracing)
+        """A copy with top-level ``changes`` applied to the config it was built from, checked again."""
+        return RunConfig.from_dict({**self.topology.raw, **changes})
 
 
 def merge_run_config(

@@ -14,10 +14,9 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
-from gym_ray.config.settings import RunSettings
+from gym_ray.config.run_config import resolve_run_config
 from gym_ray.distributed.api import RunActors, plan_from_config, run_actors
 from gym_ray.record.ledger import check_run
-from gym_ray.run.collect import resolve_run_config
 from gym_ray.servers import bundled_dataset_path, load_bundled_config, start_in_thread
 from tests.distributed.test_distributed import wait_for_completed
 
@@ -43,7 +42,7 @@ async def test_sigkill_of_a_worker_mid_run_loses_nothing(ray_session: Any, tmp_p
         cfg[env]["environment_servers"]["example_env"].update(latency_ms=40, latency_jitter_ms=20)
     started: list[RunActors] = []
     with start_in_thread(cfg) as servers:
-        run_cfg = resolve_run_config(
+        run_cfg = await resolve_run_config(
             servers.config,
             settings={
                 "output_dir": str(tmp_path),
@@ -56,7 +55,6 @@ async def test_sigkill_of_a_worker_mid_run_loses_nothing(ray_session: Any, tmp_p
         run = asyncio.ensure_future(
             run_actors(
                 run_cfg,
-                RunSettings.from_config(run_cfg),
                 functools.partial(plan_from_config, run_cfg, rows_ref),
                 run_dir=str(tmp_path),
                 num_workers=3,

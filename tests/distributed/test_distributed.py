@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
-from gym_ray.config.settings import RunSettings
+from gym_ray.config.run_config import resolve_run_config
 from gym_ray.distributed.api import acollect, plan_from_config, run_actors
 from gym_ray.record.ledger import check_run
 from gym_ray.record.shard_files import list_shards, shard_paths
-from gym_ray.run.collect import acollect_local, resolve_run_config
+from gym_ray.run.collect import acollect_local
 from gym_ray.servers import ThreadedDeployment, bundled_dataset_path, load_bundled_config, start_in_thread
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
@@ -169,13 +169,12 @@ async def test_pull_based_shards_finish_before_a_static_split(ray_session: Any, 
     # give all of it to one worker; pulling spreads it.
     with start_in_thread(_config({"arith_env": 1, "arith_env_hard": 250})) as slow:
         rows = _rows(160, hard=range(40))
-        cfg = resolve_run_config(
+        cfg = await resolve_run_config(
             slow.config, settings={"output_dir": str(tmp_path), "shard_size": 10, "max_resident_tasks": 16}
         )
         rows_ref = ray_session.put(rows)
         result = await run_actors(
             cfg,
-            RunSettings.from_config(cfg),
             functools.partial(plan_from_config, cfg, rows_ref),
             run_dir=str(tmp_path),
             num_workers=4,

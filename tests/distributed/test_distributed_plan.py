@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
-from gym_ray.config.topology import Topology
+from gym_ray.config.run_config import RunConfig
 from gym_ray.errors import ResumeError, ValidationError
 from gym_ray.plan.shards import RUN_MANIFEST, iter_plan, iter_prepare_run, plan_run, prepare_run
 from gym_ray.record.shard_files import shard_paths
@@ -109,7 +109,7 @@ def _raw_rows(count: int, *, bad_at: int | None = None) -> list[dict[str, Any]]:
 
 def test_iter_prepare_run_validates_every_row_before_writing_anything(tmp_path: Path) -> None:
     cfg = {**CONFIG, "output_dir": str(tmp_path / "run"), "shard_size": 2}
-    specs = iter_prepare_run(cfg, Topology.from_config(cfg), rows=_raw_rows(9, bad_at=8))
+    specs = iter_prepare_run(RunConfig.from_dict(cfg), rows=_raw_rows(9, bad_at=8))
     with pytest.raises(ValidationError, match="no_such_agent"):
         next(specs)
     assert not (tmp_path / "run").exists()
@@ -117,8 +117,8 @@ def test_iter_prepare_run_validates_every_row_before_writing_anything(tmp_path: 
 
 def test_iter_prepare_run_counts_the_run_rows_and_matches_prepare_run(tmp_path: Path) -> None:
     cfg = {**CONFIG, "output_dir": str(tmp_path / "run"), "shard_size": 2, "num_repeats": 3}
-    topology = Topology.from_config(cfg)
-    lazy = list(iter_prepare_run(cfg, topology, rows=_raw_rows(5)))
+    run = RunConfig.from_dict(cfg)
+    lazy = list(iter_prepare_run(run, rows=_raw_rows(5)))
     assert [(s.shard, s.num_rows, s.run_rows) for s in lazy] == [
         ("00000", 3, 15),
         ("00001", 3, 15),
@@ -126,6 +126,6 @@ def test_iter_prepare_run_counts_the_run_rows_and_matches_prepare_run(tmp_path: 
         ("00003", 3, 15),
         ("00004", 3, 15),
     ]
-    plan = prepare_run(cfg, topology, rows=_raw_rows(5))  # a rerun on the same folder: resumed
+    plan = prepare_run(run, rows=_raw_rows(5))  # a rerun on the same folder: resumed
     assert (plan.planned, plan.resumed, plan.run_id) == (15, True, lazy[0].run_id)
     assert plan.shards == tuple(lazy)

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from gym_ray.config.settings import RunSettings
-from gym_ray.config.topology import Topology
+from gym_ray.config.run_config import RunConfig
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.distributed.api import RunActors, run_actors
 from gym_ray.errors import ShardIOError
@@ -21,7 +20,7 @@ from gym_ray.run.collect import RunPlan, RunResult, ShardReport, ShardSpec
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
-CONFIG: dict[str, Any] = {}
+RUN = RunConfig.from_dict({"max_resident_tasks": 8})
 
 
 def fake_plan(run_dir: str, count: int) -> Iterator[ShardSpec]:
@@ -33,8 +32,7 @@ async def fake_shard(
     spec: ShardSpec,
     *,
     client: ServerClient,
-    topology: Topology,
-    settings: RunSettings,
+    run: RunConfig,
     semaphore: asyncio.Semaphore | None = None,
     on_outcome: Any = None,
     worker: str | None = None,
@@ -75,9 +73,8 @@ async def fake_finalize(
     plan: RunPlan,
     reports: Iterable[ShardReport],
     *,
-    topology: Topology,
+    run: RunConfig,
     client: ServerClient,
-    settings: RunSettings,
     wall_s: float,
     num_workers: int = 1,
 ) -> RunResult:
@@ -112,8 +109,7 @@ def _completed(run_dir: Path) -> list[str]:
 
 async def test_every_shard_runs_exactly_once_across_four_workers(ray_session: Any, tmp_path: Path) -> None:
     result = await run_actors(
-        CONFIG,
-        RunSettings.from_config({"max_resident_tasks": 8}),
+        RUN,
         functools.partial(fake_plan, str(tmp_path), 12),
         run_dir=str(tmp_path),
         num_workers=4,
@@ -127,8 +123,7 @@ async def test_every_shard_runs_exactly_once_across_four_workers(ray_session: An
 async def test_a_worker_that_dies_is_replaced_and_its_shard_reruns(ray_session: Any, tmp_path: Path) -> None:
     seen: list[RunActors] = []
     result = await run_actors(
-        CONFIG,
-        RunSettings.from_config({"max_resident_tasks": 8}),
+        RUN,
         functools.partial(fake_plan, str(tmp_path), 8),
         run_dir=str(tmp_path),
         num_workers=2,
@@ -146,8 +141,7 @@ async def test_a_worker_that_dies_is_replaced_and_its_shard_reruns(ray_session: 
 async def test_a_shard_error_crosses_the_actors_typed(ray_session: Any, tmp_path: Path) -> None:
     with pytest.raises(ShardIOError, match="shard 00001: fsync failed"):
         await run_actors(
-            CONFIG,
-            RunSettings.from_config({"max_resident_tasks": 8}),
+            RUN,
             functools.partial(fake_plan, str(tmp_path), 6),
             run_dir=str(tmp_path),
             num_workers=2,

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
-from gym_ray.config.settings import RunSettings
-from gym_ray.config.topology import Topology
+from gym_ray.config.run_config import RunConfig
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.distributed.api import run_actors
 from gym_ray.distributed.live import ProgressSnapshot
@@ -23,8 +22,8 @@ from gym_ray.distributed.worker import OutcomeTally
 from gym_ray.errors import ShardIOError
 from gym_ray.run.collect import OutcomeHook, RunPlan, RunResult, ShardReport, ShardSpec, run_shards
 
-SETTINGS = RunSettings.from_config({"max_resident_tasks": 4})
-TOPOLOGY = Topology.from_config({})
+RUN = RunConfig.from_dict({"max_resident_tasks": 4})
+TOPOLOGY = RUN.topology
 SERVERS = ("env_a", "env_b")
 
 
@@ -53,8 +52,7 @@ async def fake_shard(
     spec: ShardSpec,
     *,
     client: ServerClient,
-    topology: Topology,
-    settings: RunSettings,
+    run: RunConfig,
     semaphore: asyncio.Semaphore | None = None,
     on_outcome: OutcomeHook | None = None,
     worker: str | None = None,
@@ -109,8 +107,7 @@ async def test_run_shards_with_on_error_keeps_the_other_lanes_going(tmp_path: Pa
         reports = await run_shards(
             _hand_out(_specs(str(tmp_path), 6)),
             client=client,
-            topology=TOPOLOGY,
-            settings=SETTINGS,
+            run=RUN,
             shard_fn=functools.partial(fake_shard, fail_on="00001"),
             on_error=on_error,
             worker="w9",
@@ -126,8 +123,7 @@ async def test_run_shards_without_on_error_raises_the_first_error(tmp_path: Path
             await run_shards(
                 _hand_out(_specs(str(tmp_path), 6)),
                 client=client,
-                topology=TOPOLOGY,
-                settings=SETTINGS,
+                run=RUN,
                 shard_fn=functools.partial(fake_shard, fail_on="00002"),
             )
 
@@ -150,9 +146,8 @@ async def fake_finalize(
     plan: RunPlan,
     reports: Iterable[ShardReport],
     *,
-    topology: Topology,
+    run: RunConfig,
     client: ServerClient,
-    settings: RunSettings,
     wall_s: float,
     num_workers: int = 1,
 ) -> RunResult:
@@ -187,8 +182,7 @@ async def test_progress_is_absolute_and_exact_at_the_end_across_a_worker_replace
 ) -> None:
     snapshots: list[ProgressSnapshot] = []
     await run_actors(
-        {},
-        SETTINGS,
+        RUN,
         functools.partial(fake_plan, str(tmp_path), 10),
         run_dir=str(tmp_path),
         num_workers=2,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gym_ray import keys
-from gym_ray.config.topology import Topology
+from gym_ray.config.run_config import RunConfig
 from gym_ray.errors import InputError, ValidationError
 from gym_ray.plan._compact_index import CompactIndex
 from gym_ray.plan._spill_dedupe import SpillDedupe
@@ -118,7 +118,7 @@ def test_planning_numbers_duplicate_rows_like_preprocessing(tmp_path: Path) -> N
         "shard_size": 4,
         "num_repeats": 2,
     }
-    specs = list(iter_prepare_run(cfg, Topology.from_config(cfg)))
+    specs = list(iter_prepare_run(RunConfig.from_dict(cfg)))
     planned = _planned_identities(tmp_path / "run", [s.shard for s in specs])
     assert planned == [
         (0, 0, "a"), (0, 1, "a"),
@@ -145,5 +145,5 @@ def test_a_validation_error_names_rows_by_their_real_task_index(tmp_path: Path) 
         "output_dir": str(tmp_path / "run"),
     }
     with pytest.raises(ValidationError, match=r"row 4 \(task 3, rollout 0\)"):
-        next(iter_prepare_run(cfg, Topology.from_config(cfg)))
+        next(iter_prepare_run(RunConfig.from_dict(cfg)))
     assert not (tmp_path / "run").exists()
