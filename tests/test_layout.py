@@ -1,4 +1,4 @@
-"""The package's shape: one folder per stage, no import circles, modules of one concept, config parsed once."""
+"""The package's shape: a folder per stage, no import circles, one concept per module, config parsed once."""
 
 from __future__ import annotations
 
