@@ -81,7 +81,7 @@ class RunActors:
     totals: dict[str, WorkerTotals] = field(default_factory=dict)
 
 
-def plan_from_config(run: RunConfig, rows: Any = None) -> Iterator[ShardSpec]:
+def plan_from_config(run: RunConfig, rows: Any = None, num_workers: int = 1) -> Iterator[ShardSpec]:
     """Default planner (runs in the driver actor): validate the input rows, then plan the run lazily.
 
     Uses :func:`gym_ray.plan.shards.iter_prepare_run`: a whole validation pass first (bad input raises before
@@ -92,6 +92,7 @@ def plan_from_config(run: RunConfig, rows: Any = None) -> Iterator[ShardSpec]:
     Args:
         run: The run's config, with the topology already resolved.
         rows: ``None`` to read ``input_jsonl_fpath``, or an ``ObjectRef`` of a list of rows.
+        num_workers: Workers of the run (sizes shards automatically when ``shard_size`` is unset).
 
     Returns:
         The planned shards, in input order (a generator: planning happens as it is consumed).
@@ -100,7 +101,7 @@ def plan_from_config(run: RunConfig, rows: Any = None) -> Iterator[ShardSpec]:
 
     # This runs in a thread of the async driver actor: wait on the ref's future (ray.get would warn).
     source: list[dict[str, Any]] | None = rows.future().result() if rows is not None else None
-    return iter_prepare_run(run, rows=source)
+    return iter_prepare_run(run, rows=source, num_workers=num_workers)
 
 
 async def run_actors(
@@ -404,7 +405,7 @@ async def acollect(
         async with _ray_connection(address) as ray:
             workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
             rows_ref = ray.put([dict(row) for row in rows]) if rows is not None else None
-            planner = functools.partial(plan_from_config, run, rows_ref)
+            planner = functools.partial(plan_from_config, run, rows_ref, workers)
             with job_span(tracer, run_dir=run_dir) as span:
                 result = await run_actors(
                     run,

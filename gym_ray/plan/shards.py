@@ -45,7 +45,22 @@ from gym_ray.record.manifest import ShardManifest
 from gym_ray.record.writer import ShardWriter
 
 RUN_MANIFEST = "run_manifest.json"
+#: Largest automatic shard (rows); also the shard size of a plan cut without a known worker count.
 DEFAULT_SHARD_SIZE = 1000
+#: Smallest automatic shard (rows): below it per-shard file and manifest costs dominate.
+MIN_AUTO_SHARD_SIZE = 16
+#: Shards per worker the automatic size aims for, so the pull-based hand-out can balance the tail.
+SHARDS_PER_WORKER = 4
+
+
+def auto_shard_size(run_rows: int, num_workers: int) -> int:
+    """Rows per shard for a run of ``run_rows`` rows on ``num_workers`` workers (``shard_size`` unset).
+
+    About :data:`SHARDS_PER_WORKER` shards per worker, within [:data:`MIN_AUTO_SHARD_SIZE`,
+    :data:`DEFAULT_SHARD_SIZE`]: 800 rows on 2 workers are 8 shards of 100, so both workers run.
+    """
+    wanted = -(-run_rows // (SHARDS_PER_WORKER * max(1, num_workers)))
+    return max(MIN_AUTO_SHARD_SIZE, min(DEFAULT_SHARD_SIZE, wanted))
 
 
 @dataclass(frozen=True)
@@ -454,6 +469,7 @@ def prepare_run(
     run: RunConfig,
     *,
     rows: Iterable[Mapping[str, Any]] | None = None,
+    num_workers: int = 1,
 ) -> RunPlan:
     """Validate every input row against the config, then plan the whole run folder (no dispatch).
 
@@ -463,7 +479,7 @@ def prepare_run(
     """
     root = Path(_output_dir(run.settings))
     resumed = (root / RUN_MANIFEST).exists()
-    specs = tuple(iter_prepare_run(run, rows=rows))
+    specs = tuple(iter_prepare_run(run, rows=rows, num_workers=num_workers))
     manifest = _read_run_manifest(root) or {}
     return RunPlan(
         run_dir=str(root),
@@ -479,6 +495,7 @@ def iter_prepare_run(
     run: RunConfig,
     *,
     rows: Iterable[Mapping[str, Any]] | None = None,
+    num_workers: int = 1,
 ) -> Generator[ShardSpec, None, None]:
     """Validate every input row, then plan the run folder lazily: yield each shard once it is committed.
 
@@ -491,6 +508,9 @@ def iter_prepare_run(
     digest in sorted runs in a temporary folder (16 bytes per row on disk), and the planning pass numbers
     identical rows from that (:mod:`gym_ray.plan._spill_dedupe`). With ``task_ids`` or
     ``interleave_repeats`` both passes number tasks in memory instead.
+
+    Shard size: ``shard_size`` when set, else the size recorded by the folder's earlier plan (a resume
+    cuts the same shards), else :func:`auto_shard_size` of the counted rows and ``num_workers``.
 
     Raises:
         UsageError: No ``output_dir`` or no input.
@@ -515,7 +535,7 @@ def iter_prepare_run(
             rows,
             output_dir,
             config_identity=topology.identity_digest(),
-            shard_size=settings.shard_size,
+            shard_size=_planned_shard_size(settings, output_dir, counted, num_workers),
             max_rollout_attempts=settings.max_rollout_attempts,
             run_rows=counted,
         )
@@ -536,6 +556,16 @@ def iter_prepare_run(
             raise
         replay = dedupe.replay()
         yield from plan(_checked(source(replay), replay))
+
+
+def _planned_shard_size(settings: RunSettings, output_dir: str, run_rows: int, num_workers: int) -> int:
+    """``shard_size`` when set; else the size a resumed folder was cut with; else :func:`auto_shard_size`."""
+    if settings.shard_size is not None:
+        return settings.shard_size
+    recorded = (_read_run_manifest(Path(output_dir)) or {}).get("shard_size")
+    if isinstance(recorded, int) and recorded >= 1:
+        return recorded
+    return auto_shard_size(run_rows, num_workers)
 
 
 def _checked(rows: Iterator[dict[str, Any]], replay: DedupeReplay) -> Iterator[dict[str, Any]]:
