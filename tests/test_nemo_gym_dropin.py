@@ -432,3 +432,17 @@ def test_preprocessing_and_validation_need_no_addresses() -> None:
         "server instance 'calc_env' has no address (config keys "
         "'calc_env.environment_servers.example_env.host'"
     )
+
+
+async def test_dispatch_with_a_host_less_config_names_the_instance(tmp_path: Path) -> None:
+    hostless = {
+        "calc_agent": {"responses_api_agents": {"example_env": {}}},
+        "calc_env": {
+            "environment_servers": {
+                "example_env": {"agent_server": {"type": "responses_api_agents", "name": "calc_agent"}}
+            }
+        },
+    }
+    with pytest.raises(ConfigError, match=r"^server instance 'calc_env' has no address") as info:
+        await acollect_local(hostless, rows=_rows(1), output_dir=str(tmp_path / "run"))
+    assert info.value.key == "calc_env.environment_servers.example_env"
