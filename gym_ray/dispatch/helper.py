@@ -35,13 +35,17 @@ from gym_ray.dispatch.engine import (
     interleave_by_agent,
 )
 from gym_ray.dispatch.enrich import OBSERVABILITY_ENABLED, check_capture_options, enrich_run_result, needs_io
-from gym_ray.dispatch.head import HeadClientCache, fetch_global_config
+from gym_ray.dispatch.head import HeadAddress, HeadClientCache, fetch_global_config, head_url_of
 from gym_ray.dispatch.outcomes import RolloutFailureRecord, build_record
 from gym_ray.errors import UsageError
 from gym_ray.record.recording import ShardRecorder
 
 Row = dict[str, Any]
-HeadConfig = str | Mapping[str, Any] | Topology
+
+
+HeadConfig = str | Mapping[str, Any] | Topology | HeadAddress
+
+
 R = TypeVar("R")
 T = TypeVar("T")
 #: Rows validated per batch when the input is a one-shot iterator (a list is validated whole).
@@ -103,8 +107,9 @@ class RolloutCollectionHelper:
         ...     await helper.aclose()
 
     Args:
-        head_server_config: A head URL (``"http://host:port"``), a global config dict, a
-            :class:`Topology`, or None (then pass ``head_server_config`` to each call).
+        head_server_config: A head server (a URL ``"http://host:port"``, a ``{host, port}`` mapping, or an
+            object with ``host`` and ``port`` attributes such as NeMo Gym's ``BaseServerConfig``), a global
+            config dict, a :class:`Topology`, or None (then pass ``head_server_config`` to each call).
         cache_head_config: With a head URL, keep one client and refetch the config per call only to compare
             it (a changed config builds a new client); without it every call fetches the config again.
         max_connections: Requests on the wire at once (the aiohttp connector ``limit``).
@@ -136,17 +141,12 @@ class RolloutCollectionHelper:
         }
         self._head_url: str | None = None
         self._topology: Topology | None = None
-        if isinstance(head_server_config, str):
-            self._head_url = head_server_config.rstrip("/")
-        elif isinstance(head_server_config, Topology):
-            self._topology = head_server_config
-        elif isinstance(head_server_config, Mapping):
-            self._topology = Topology.from_config(head_server_config)
-        elif head_server_config is not None:
-            raise UsageError(
-                f"head_server_config={head_server_config!r} is a {type(head_server_config).__name__}; pass a "
-                "head URL ('http://host:port'), a global config dict or a Topology"
-            )
+        if head_server_config is not None:
+            self._head_url = head_url_of(head_server_config)
+            if isinstance(head_server_config, Topology):
+                self._topology = head_server_config
+            elif self._head_url is None and isinstance(head_server_config, Mapping):
+                self._topology = Topology.from_config(head_server_config)
         self._cache = cache_head_config
         self._head_cache = HeadClientCache(client_factory=self._client_for) if cache_head_config else None
         self._client = ServerClient(_LiveTopology(self), **self._client_kwargs)
@@ -183,9 +183,11 @@ class RolloutCollectionHelper:
             ConfigError: the fetched config is not a valid topology.
         """
         head_url = self._head_url
-        if isinstance(head_server_config, str):
-            head_url = head_server_config.rstrip("/")
+        named = head_url_of(head_server_config) if head_server_config is not None else None
+        if named is not None:
+            head_url = named
         elif head_server_config is not None:
+            assert isinstance(head_server_config, Topology | Mapping)  # head_url_of refused the rest
             self._topology = (
                 head_server_config
                 if isinstance(head_server_config, Topology)

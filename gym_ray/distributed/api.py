@@ -160,6 +160,18 @@ async def run_actors(
     started = time.monotonic() if started_at is None else started_at
     if num_workers < 1:
         raise UsageError(f"num_workers must be >= 1, got {num_workers}; pass num_workers=1 or more")
+    cap = settings.concurrency_cap
+    if cap is not None and num_workers > cap:
+        logger.warning(
+            "collect: %d workers asked, but num_samples_in_parallel=%d allows at most %d rollouts in flight "
+            "for the whole run; starting %d workers",
+            num_workers,
+            cap,
+            cap,
+            cap,
+        )
+        num_workers = cap
+    shares = worker_shares(cap, num_workers)
     restarts_left = 2 * num_workers if max_worker_restarts is None else max_worker_restarts
     driver_concurrency = driver_max_concurrency(num_workers, shards_in_flight)
     worker_concurrency = worker_max_concurrency(settings)
@@ -191,12 +203,17 @@ async def run_actors(
     runs: dict[asyncio.Future[WorkerTotals], str] = {}
     refs: dict[str, Any] = {}
 
-    def create_worker(worker_id: str) -> Any:
+    share_of: dict[str, int | None] = {}
+
+    def create_worker(worker_id: str, share: int | None) -> Any:
+        share_of[worker_id] = share
+        # A whole-run cap is split across workers: each admits at most its share, the shares sum to it.
+        worker_run = run if share is None else run.with_share(share)
         handle: Any = worker_class.remote(
             worker_id,
             driver,
             coordinator,
-            run,
+            worker_run,
             shard_fn=shard_fn,
             shards_in_flight=shards_in_flight,
             traceparent=traceparent,
@@ -219,7 +236,10 @@ async def run_actors(
         initial = [f"w{index}" for index in range(num_workers)]
         # Start line: every worker process is up before any pulls, so early workers cannot take the
         # whole first wave of shards. A worker that failed to start fails its run() and is replaced.
-        await asyncio.gather(*(create_worker(w).pid.remote() for w in initial), return_exceptions=True)
+        await asyncio.gather(
+            *(create_worker(w, share).pid.remote() for w, share in zip(initial, shares, strict=True)),
+            return_exceptions=True,
+        )
         for worker_id in initial:
             launch(worker_id)
         next_index = num_workers
@@ -250,7 +270,7 @@ async def run_actors(
                         replacement = f"w{next_index}"
                         next_index += 1
                         logger.warning("collect: starting replacement worker %s", replacement)
-                        create_worker(replacement)
+                        create_worker(replacement, share_of[worker_id])  # takes over the lost share
                         launch(replacement)
         await _stop_poller(poller)
         if on_progress is not None:
@@ -278,6 +298,20 @@ async def run_actors(
     finally:
         await _stop_poller(poller)
         await _teardown(actors, runs, refs, graceful=finished, grace_s=cancel_grace_s)
+
+
+def worker_shares(cap: int | None, num_workers: int) -> list[int | None]:
+    """Each worker's part of a whole-run cap on rollouts in flight: parts differ by at most one and sum to
+    ``cap`` (``num_workers`` <= ``cap``); ``[None] * num_workers`` without a cap.
+
+    Example:
+        >>> worker_shares(7, 3)
+        [3, 2, 2]
+    """
+    if cap is None:
+        return [None] * num_workers
+    base, extra = divmod(cap, num_workers)
+    return [base + (1 if index < extra else 0) for index in range(num_workers)]
 
 
 async def _stop_poller(poller: asyncio.Future[None] | None) -> None:
@@ -487,4 +521,4 @@ def collect(
     )
 
 
-__all__ = ["RunActors", "acollect", "collect", "plan_from_config", "run_actors"]
+__all__ = ["RunActors", "acollect", "collect", "plan_from_config", "run_actors", "worker_shares"]

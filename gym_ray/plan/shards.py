@@ -19,6 +19,7 @@ Durability promises (see RELIABILITY.md):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -426,9 +427,9 @@ def input_rows(
 ) -> Callable[..., Iterator[dict[str, Any]]]:
     """A re-iterable source of the run's preprocessed rows (the input is read once per call).
 
-    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``. The
-    returned callable takes an optional ``task_numbering`` (see
-    :func:`gym_ray.plan.preprocess.iter_preprocess`).
+    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``, cut to the
+    first ``limit`` rows when ``limit`` is set. The returned callable takes an optional
+    ``task_numbering`` (see :func:`gym_ray.plan.preprocess.iter_preprocess`).
     """
     if rows is None:
         if settings.input_jsonl_fpath is None:
@@ -448,9 +449,15 @@ def input_rows(
         def source() -> Iterable[Mapping[str, Any]]:
             return fixed
 
+    limit = settings.limit or None  # NeMo Gym: 0 or null = every row
+
+    def limited() -> Iterable[Mapping[str, Any]]:
+        # The first ``limit`` input rows, before anything else (NeMo Gym 0.7's ``limit``).
+        return source() if limit is None else itertools.islice(source(), limit)
+
     def preprocessed(task_numbering: TaskNumbering | None = None) -> Iterator[dict[str, Any]]:
         return iter_preprocess(
-            source(),
+            limited(),
             agent_map=settings.agent_map,
             fan_out=settings.fan_out,
             num_repeats=settings.num_repeats,
@@ -520,6 +527,12 @@ def iter_prepare_run(
     """
     settings, topology = run.settings, run.topology
     output_dir = _output_dir(settings)
+    if settings.resume_from_cache is False and (Path(output_dir) / RUN_MANIFEST).exists():
+        raise ResumeError(
+            f"run folder {output_dir} already holds a run and resume_from_cache is false; gym_ray never "
+            "deletes results: pass +resume_from_cache=true to resume it, or move the folder (and the "
+            "output files) aside for a fresh run"
+        )
     source = input_rows(settings, topology, rows)
     counted = 0
 
