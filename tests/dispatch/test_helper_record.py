@@ -12,7 +12,7 @@ import pytest
 from gym_ray import keys
 from gym_ray.dispatch.helper import RolloutCollectionHelper
 from gym_ray.dispatch.outcomes import RolloutFailureRecord
-from gym_ray.errors import InputError, ServerHTTPError, ShardLockError, UsageError
+from gym_ray.errors import InputError, ResumeError, ServerHTTPError, ShardLockError, UsageError
 from gym_ray.plan.resume import plan_resume
 from gym_ray.record.manifest import ShardManifest, ShardProgress
 from gym_ray.record.status import run_status
@@ -231,15 +231,20 @@ def test_bad_recording_arguments_are_refused_at_call(
         helper.run_examples(_rows(1), **kwargs)
 
 
-def test_rows_without_identity_and_a_recorded_shard_are_refused(tmp_path: Path) -> None:
+def test_rows_without_identity_and_a_shard_without_inputs_are_refused(tmp_path: Path) -> None:
     helper = RolloutCollectionHelper(_config())
     row = _rows(1)[0]
     del row[keys.ROLLOUT_INDEX]
     with pytest.raises(InputError, match="row 0 has _ng_task_index=0 and _ng_rollout_index=None"):
         helper.run_examples([row], record_output_dir=tmp_path, record_shard=SHARD)
     (tmp_path / f"rollouts-{SHARD}.jsonl").write_text("{}\n", encoding="utf-8")
-    with pytest.raises(UsageError, match="already holds that shard"):
+    with pytest.raises(ResumeError) as info:
         helper.run_examples(_rows(1), record_output_dir=tmp_path, record_shard=SHARD)
+    assert str(info.value) == (
+        f"record_shard='{SHARD}': {tmp_path} holds records of that shard but not its materialized inputs "
+        f"(rollouts-{SHARD}_materialized_inputs.jsonl), so it cannot be resumed; restore that file, or "
+        "record into a new shard label or folder"
+    )
 
 
 async def test_a_newer_writer_makes_the_helper_fail_on_its_next_append(
