@@ -363,7 +363,7 @@ class ShardWriter:
     def _stale(self, action: str, current: bytes) -> ShardLockError:
         """Mark this writer stale (no more writes, no fsync) and build the error naming the new holder."""
         pid, host = _holder_of(current)
-        where = f"pid {pid} on {host}" if pid is not None or host is not None else "an unreadable token"
+        where = f"pid {pid} on {host}" if pid is not None or host is not None else "its token is unreadable"
         error = ShardLockError(
             f"shard {self.shard!r} was opened by another writer since this writer opened it; this "
             f"writer can no longer {action} it (a newer worker owns it: {where}) and wrote nothing. "
