@@ -16,8 +16,9 @@ Concurrency and failure promises:
   :class:`WorkerProgress`).
 - A shard that raises is reported to the driver as a :class:`ShardFailure` and the lane moves on (the
   ``on_error`` hook of ``run_shards``: the other lanes are not disturbed). A
-  :class:`~gym_ray.errors.ShardLockError` usually means a newer worker owns the shard: the driver ignores
-  it. The shard folder stays resumable.
+  :class:`~gym_ray.errors.ShardLockError` means a newer writer took the shard over (this worker was
+  declared lost while still alive, e.g. frozen): this worker wrote nothing more to it, and the driver
+  ignores the failure of a shard it re-queued. The shard folder stays resumable.
 - Lanes are owned by a ``TaskGroup`` inside ``run_shards``; cancelling ``run()`` (``ray.cancel``) cancels
   them, which closes every shard writer and the client pool.
 
