@@ -124,6 +124,7 @@ class ShardWriter:
         self._state = "new"
         self._failure: str | None = None
         self._stale_error: ShardLockError | None = None
+        self._wrote = False  # any write of this writer's own since open (not only inherited unsynced lines)
         self._token = b""
         self._fds: dict[Path, int] = {}
         self._dirty: set[Path] = set()
@@ -184,8 +185,9 @@ class ShardWriter:
         """Fsync what is unsynced (unless the shard failed or was taken over), close every file. Idempotent.
 
         Raises:
-            ShardLockError: Another writer opened the shard since and this writer had unsynced writes; they
-                are not fsynced by this writer (the new holder does), the files are closed anyway.
+            ShardLockError: Another writer opened the shard since and this writer had written to it; its
+                unsynced writes are not fsynced by this writer (the new holder does), the files are closed
+                anyway. A writer taken over before it wrote anything closes quietly.
             ShardIOError: The final fsync failed (files are closed anyway and the shard is failed).
         """
         if self._state in ("new", "closed"):
@@ -193,8 +195,13 @@ class ShardWriter:
             return
         try:
             if self._state == "open" and self._dirty:
-                with self._owned("fsync"):
-                    pass
+                try:
+                    with self._owned("fsync"):
+                        pass
+                except ShardLockError:
+                    if self._wrote:
+                        raise
+                    return  # taken over before it wrote anything: nothing of its own to sync or lose
                 self._sync()
         finally:
             self._close_fds()
@@ -358,6 +365,8 @@ class ShardWriter:
             current = self._lock.read_token(len(self._token) + 1)
             if current != self._token:
                 raise self._stale(action, current)
+            if action != "fsync":
+                self._wrote = True
             yield
 
     def _stale(self, action: str, current: bytes) -> ShardLockError:

@@ -128,3 +128,13 @@ def test_a_stale_writer_with_nothing_unsynced_closes_quietly(tmp_path: Path) -> 
         old.append(_row(1, who="old"))
     new.close()
     assert new.progress().succeeded == 1
+
+
+def test_a_writer_taken_over_before_it_wrote_anything_closes_quietly(tmp_path: Path) -> None:
+    old = _writer(tmp_path, "old").open()
+    new = _writer(tmp_path, "new").open()
+    old.close()  # the files it inherited at open are the new holder's to sync; nothing of its own is lost
+    new.append(_row(0, who="new"))
+    new.close()
+    lines = shard_paths(tmp_path, SHARD).successes.read_bytes().splitlines()
+    assert [json.loads(line)["who"] for line in lines] == ["new"]
