@@ -216,6 +216,13 @@ class RolloutWorker:
         self._failures: list[ShardFailure] = []
         self._live: dict[str, OutcomeTally] = {}
 
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (hex id)."""
+        import ray
+
+        node: str = ray.get_runtime_context().get_node_id()
+        return node
+
     def pid(self) -> int:
         """The worker's process id (chaos tests kill it)."""
         return os.getpid()
