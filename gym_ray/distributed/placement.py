@@ -6,7 +6,8 @@
 - :class:`WorkerPlacement` puts worker actors on the nodes that offer CPUs (a head started with
   ``num-cpus=0``, as KubeRay recommends, is left alone), the node with the fewest of the run's live
   workers first, so workers spread by construction and a lost node's replacements go to the others.
-  The affinity is soft: when that node is gone Ray places the actor elsewhere.
+  The affinity is hard (Ray's soft affinity was seen placing actors elsewhere while the chosen node had
+  room): a worker whose node is gone before it starts fails to start and is replaced like a lost one.
 - :func:`pinned_to_caller` keeps the driver and the coordinator on the caller's node (usually the head),
   whose loss ends the run anyway.
 
@@ -20,7 +21,7 @@ import os
 from collections import Counter
 from typing import Any
 
-__all__ = ["WorkerPlacement", "pinned_to_caller", "ray_init_kwargs"]
+__all__ = ["WorkerPlacement", "current_node_id", "pinned_to_caller", "ray_init_kwargs"]
 
 
 def ray_init_kwargs(address: str | None) -> dict[str, Any]:
@@ -33,17 +34,23 @@ def ray_init_kwargs(address: str | None) -> dict[str, Any]:
     return {"address": "local", "num_cpus": os.cpu_count() or 1, "include_dashboard": False}
 
 
+def current_node_id() -> str:
+    """The Ray node (hex id) this process runs on."""
+    import ray
+
+    node: str = ray.get_runtime_context().get_node_id()
+    return node
+
+
 def _affinity(node_id: str) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=True)
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
 
 
 def pinned_to_caller() -> dict[str, Any]:
-    """Ray actor options that place an actor on the caller's node when it can (soft affinity)."""
-    import ray
-
-    return {"num_cpus": 0, "scheduling_strategy": _affinity(ray.get_runtime_context().get_node_id())}
+    """Ray actor options that place an actor on the caller's node."""
+    return {"num_cpus": 0, "scheduling_strategy": _affinity(current_node_id())}
 
 
 class WorkerPlacement:

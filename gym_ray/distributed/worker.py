@@ -217,11 +217,10 @@ class RolloutWorker:
         self._live: dict[str, OutcomeTally] = {}
 
     def node_id(self) -> str:
-        """The Ray node this worker runs on (hex id)."""
-        import ray
+        """The Ray node (hex id) this actor runs on."""
+        from gym_ray.distributed.placement import current_node_id
 
-        node: str = ray.get_runtime_context().get_node_id()
-        return node
+        return current_node_id()
 
     def pid(self) -> int:
         """The worker's process id (chaos tests kill it)."""

@@ -28,7 +28,7 @@ def test_workers_go_round_robin_to_the_cpu_nodes_and_leave_a_zero_cpu_head_alone
     assert _chosen(placement, ["w0", "w1", "w2", "w3", "w4"], set()) == [A, B, A, B, A]
     options = placement.options("w5", {"w0", "w1", "w2", "w3", "w4"})
     assert options["num_cpus"] == 0
-    assert (options["scheduling_strategy"].node_id, options["scheduling_strategy"].soft) == (B, True)
+    assert (options["scheduling_strategy"].node_id, options["scheduling_strategy"].soft) == (B, False)
 
 
 def test_a_replacement_goes_to_the_node_with_the_fewest_live_workers() -> None:
