@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -44,6 +43,7 @@ from gym_ray.distributed.live import (
     poll_progress,
     progress_snapshot,
 )
+from gym_ray.distributed.placement import WorkerPlacement, pinned_to_caller, ray_init_kwargs
 from gym_ray.distributed.worker import (
     DEFAULT_SHARDS_IN_FLIGHT,
     RolloutWorker,
@@ -70,13 +70,14 @@ MAX_DEFAULT_WORKERS = 16
 class RunActors:
     """The live actors of a distributed run (for status, tests and chaos tools).
 
-    ``workers`` maps worker id -> actor handle and gains replacements as they start; ``lost`` lists the
-    workers that died, in order.
+    ``workers`` maps worker id -> actor handle and gains replacements as they start; ``nodes`` maps
+    worker id -> the Ray node (hex id) it was placed on; ``lost`` lists the workers that died, in order.
     """
 
     driver: Any
     coordinator: Any
     workers: dict[str, Any] = field(default_factory=dict)
+    nodes: dict[str, str] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)
     totals: dict[str, WorkerTotals] = field(default_factory=dict)
 
@@ -178,7 +179,8 @@ async def run_actors(
     coordinator_concurrency = num_workers * shards_in_flight + 16
     logger.info(
         "collect: %d workers x %d shard lanes, max_resident_tasks=%d and max_connections=%d per worker; "
-        "actor max_concurrency: driver=%d worker=%d coordinator=%d; num_cpus=0 for every actor",
+        "actor max_concurrency: driver=%d worker=%d coordinator=%d; num_cpus=0 for every actor, workers "
+        "spread over the nodes with CPUs, driver and coordinator on this node",
         num_workers,
         shards_in_flight,
         settings.max_resident_tasks,
@@ -190,16 +192,17 @@ async def run_actors(
     # Actor handles are typed Any: Ray's stubs do not type ``.remote`` calls of plain classes.
     coordinator: Any = (
         ray.remote(RunCoordinator)
-        .options(num_cpus=0, max_concurrency=coordinator_concurrency)
+        .options(max_concurrency=coordinator_concurrency, **pinned_to_caller())
         .remote(run_dir, run, finalize_fn=finalize_fn)
     )
     driver: Any = (
         ray.remote(ShardDriver)
-        .options(num_cpus=0, max_concurrency=driver_concurrency)
+        .options(max_concurrency=driver_concurrency, **pinned_to_caller())
         .remote(planner, lookahead=2 * num_workers, coordinator=coordinator)
     )
     actors = RunActors(driver=driver, coordinator=coordinator)
-    worker_class: Any = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=worker_concurrency)
+    worker_class: Any = ray.remote(RolloutWorker)
+    placement = WorkerPlacement()
     runs: dict[asyncio.Future[WorkerTotals], str] = {}
     refs: dict[str, Any] = {}
 
@@ -209,7 +212,12 @@ async def run_actors(
         share_of[worker_id] = share
         # A whole-run cap is split across workers: each admits at most its share, the shares sum to it.
         worker_run = run if share is None else run.with_share(share)
-        handle: Any = worker_class.remote(
+        live = {w for w in actors.workers if w not in actors.lost}
+        options = placement.options(worker_id, live)
+        node = placement.node_of(worker_id)
+        if node is not None:
+            actors.nodes[worker_id] = node
+        handle: Any = worker_class.options(max_concurrency=worker_concurrency, **options).remote(
             worker_id,
             driver,
             coordinator,
@@ -358,11 +366,7 @@ async def _ray_connection(address: str | None) -> Any:
     if ray.is_initialized():
         yield ray
         return
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        init = functools.partial(ray.init, num_cpus=os.cpu_count() or 1, include_dashboard=False)
-    else:
-        init = functools.partial(ray.init, address=address)
-    await asyncio.to_thread(init)
+    await asyncio.to_thread(functools.partial(ray.init, **ray_init_kwargs(address)))
     try:
         yield ray
     finally:

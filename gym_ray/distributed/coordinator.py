@@ -135,6 +135,12 @@ class RunCoordinator:
         self._plan_done = False
         self._by_server: dict[str, list[float]] = {}
 
+    def node_id(self) -> str:
+        """The Ray node (hex id) this actor runs on."""
+        from gym_ray.distributed.placement import current_node_id
+
+        return current_node_id()
+
     def pid(self) -> int:
         """This actor's process id (benchmarks sample its memory)."""
         return os.getpid()

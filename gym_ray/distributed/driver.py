@@ -140,6 +140,12 @@ class ShardDriver:
             self._planner_task = asyncio.get_running_loop().create_task(self._plan_loop())
         return self._changed
 
+    def node_id(self) -> str:
+        """The Ray node (hex id) this actor runs on."""
+        from gym_ray.distributed.placement import current_node_id
+
+        return current_node_id()
+
     def pid(self) -> int:
         """This actor's process id (benchmarks sample its memory)."""
         return os.getpid()

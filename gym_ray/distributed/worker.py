@@ -216,6 +216,12 @@ class RolloutWorker:
         self._failures: list[ShardFailure] = []
         self._live: dict[str, OutcomeTally] = {}
 
+    def node_id(self) -> str:
+        """The Ray node (hex id) this actor runs on."""
+        from gym_ray.distributed.placement import current_node_id
+
+        return current_node_id()
+
     def pid(self) -> int:
         """The worker's process id (chaos tests kill it)."""
         return os.getpid()

@@ -280,11 +280,9 @@ class RolloutStream:
 
         self._topology = (await resolve_run_config(self._config)).topology
         if not ray.is_initialized():
-            if self._address is None and not os.environ.get("RAY_ADDRESS"):
-                init = functools.partial(ray.init, num_cpus=os.cpu_count() or 1, include_dashboard=False)
-            else:
-                init = functools.partial(ray.init, address=self._address)
-            await asyncio.to_thread(init)
+            from gym_ray.distributed.placement import ray_init_kwargs
+
+            await asyncio.to_thread(functools.partial(ray.init, **ray_init_kwargs(self._address)))
             self._owns_ray = True
         done: set[tuple[int, int]] = set()
         if self._resume and self._record_dir is not None:
