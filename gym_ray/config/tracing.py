@@ -40,6 +40,10 @@ class TracingSettings(BaseModel):
         metrics_enabled: Also export :class:`gym_ray.observe.tracing.RunMetrics` through the same exporter
         kind.
         metrics_interval_s: Export interval of periodic metric exporters (console, otlp).
+        otlp_endpoint: Base URL of the OTLP receiver (``http://collector:4318`` for OTLP/HTTP, which
+            posts to ``/v1/traces`` and ``/v1/metrics`` under it); None lets the exporter read
+            ``OTEL_EXPORTER_OTLP_*`` in each process. Set in the config (or ``OTEL_EXPORTER_OTLP_ENDPOINT``
+            where the run starts), it is shipped to every Ray actor with the run config.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -51,6 +55,7 @@ class TracingSettings(BaseModel):
     metrics_enabled: bool = False
     metrics_interval_s: float = 60.0
     file_path: str | None = None
+    otlp_endpoint: str | None = None
 
     @classmethod
     def from_config(
@@ -84,6 +89,9 @@ class TracingSettings(BaseModel):
                     key="OTEL_TRACES_EXPORTER",
                 )
             data["exporter"] = exporter
+        endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        if endpoint:
+            data["otlp_endpoint"] = endpoint.strip()
         service = env.get("OTEL_SERVICE_NAME")
         if service:
             data["service_name"] = service

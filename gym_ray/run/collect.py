@@ -33,7 +33,7 @@ from gym_ray.dispatch.engine import dispatch
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
 from gym_ray.errors import NoProgressError
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
-from gym_ray.observe.tracing import job_span, setup_tracing
+from gym_ray.observe.tracing import job_span, run_scope, setup_tracing
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.shards import (
     DEFAULT_SHARD_SIZE,
@@ -74,6 +74,9 @@ __all__ = [
 ]
 
 SUMMARY_FILE = "rollouts_summary.json"
+#: Seconds between two writes of a running shard's progress file (``gym-ray status`` reads its counts
+#: and timestamp, so a live run's rate is measured on counts that match their time).
+PROGRESS_FILE_INTERVAL_S = 5.0
 
 OutcomeHook = Callable[[dict[str, Any], dict[str, Any]], None]
 
@@ -191,6 +194,7 @@ async def run_shard(
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(loop.time() + stall_s) as watchdog:
+                progress_due = loop.time() + PROGRESS_FILE_INTERVAL_S
                 async for row, outcome in completions:
                     watchdog.reschedule(loop.time() + stall_s)
                     record = record_of(row, outcome)
@@ -207,6 +211,9 @@ async def run_shard(
                         succeeded += 1
                     if on_outcome is not None:
                         on_outcome(row, record)
+                    if loop.time() >= progress_due:
+                        writer.write_progress()
+                        progress_due = loop.time() + PROGRESS_FILE_INTERVAL_S
         except TimeoutError as exc:
             stats = completions.stats()
             raise NoProgressError(
@@ -277,14 +284,15 @@ async def run_shards(
     async def lane() -> None:
         while (spec := await next_spec()) is not None:
             try:
-                report = await run_one(
-                    spec,
-                    client=client,
-                    run=run,
-                    semaphore=semaphore,
-                    on_outcome=on_outcome,
-                    worker=worker,
-                )
+                with run_scope(spec.run_id):  # rollout spans carry the run id
+                    report = await run_one(
+                        spec,
+                        client=client,
+                        run=run,
+                        semaphore=semaphore,
+                        on_outcome=on_outcome,
+                        worker=worker,
+                    )
             except Exception as exc:
                 if on_error is None:
                     raise
@@ -444,13 +452,16 @@ async def acollect_local(
                     run=run,
                     on_outcome=ProgressCounter(display) if display.enabled else None,
                 )
-            return await finalize_run(
+            result = await finalize_run(
                 plan,
                 reports,
                 run=run,
                 client=client,
                 wall_s=time.monotonic() - started,
             )
+    if tracer is not None:
+        await asyncio.to_thread(tracer.flush)  # every span of the run is exported when it returns
+    return result
 
 
 def _pending_count(plan: RunPlan, settings: RunSettings) -> int:
