@@ -175,7 +175,8 @@ def build_providers(
         ConfigError: ``exporter: otlp`` without the ``opentelemetry-exporter-otlp`` package, or
             ``exporter: file`` without ``file_path``.
     """
-    resource = Resource.create({"service.name": settings.service_name})
+    # process.pid tells the processes of a run apart (driver, each Ray worker) in any backend.
+    resource = Resource.create({"service.name": settings.service_name, "process.pid": os.getpid()})
     provider = TracerProvider(resource=resource)
     memory: InMemorySpanExporter | None = None
     if span_exporter is not None:
