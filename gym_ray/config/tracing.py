@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
 from gym_ray.errors import ConfigError
@@ -35,7 +35,9 @@ class TracingSettings(BaseModel):
             ``pip install opentelemetry-exporter-otlp``), ``memory`` (tests; see
             :attr:`gym_ray.observe.tracing.Tracer.memory`) or ``file`` (one JSON line per span appended to
             ``file_path`` by every process, Ray workers included; see :class:`JsonlSpanExporter`).
-        file_path: The span file of the ``file`` exporter (required by it).
+        file_path: The span file of the ``file`` exporter (required by it). A relative path is made
+            absolute where the settings are read (where the run or the server starts), so that every
+            Ray actor, whatever its working directory, appends to the same file.
         service_name: The ``service.name`` resource attribute.
         metrics_enabled: Also export :class:`gym_ray.observe.tracing.RunMetrics` through the same exporter
         kind.
@@ -56,6 +58,11 @@ class TracingSettings(BaseModel):
     metrics_interval_s: float = 60.0
     file_path: str | None = None
     otlp_endpoint: str | None = None
+
+    @field_validator("file_path")
+    @classmethod
+    def _absolute_file_path(cls, value: str | None) -> str | None:
+        return os.path.abspath(value) if value else value
 
     @classmethod
     def from_config(
