@@ -14,12 +14,16 @@ Rollouts are never descendants of the job span, so each trace stays bounded by o
 
 Configuration: the run config's ``tracing:`` block (:class:`TracingSettings`), then the standard
 environment variables, which win: ``OTEL_TRACES_EXPORTER`` (``none|console|otlp|memory|file``),
-``OTEL_SERVICE_NAME``, ``OTEL_SDK_DISABLED=true`` (forces tracing off); the OTLP exporter itself reads
-``OTEL_EXPORTER_OTLP_*``.
+``OTEL_SERVICE_NAME``, ``OTEL_SDK_DISABLED=true`` (forces tracing off), ``OTEL_EXPORTER_OTLP_ENDPOINT``
+(read where the run starts and shipped to the actors as ``otlp_endpoint``); without an endpoint the OTLP
+exporter reads ``OTEL_EXPORTER_OTLP_*`` in each process.
 
 Processes: a provider is built once per process and settings (cached; :func:`shutdown_tracing` flushes
 and forgets them). Providers are not installed as the OpenTelemetry global provider, so several runs with
-different settings can share a process. A Ray worker calls :func:`setup_tracing_from_config` with the
+different settings can share a process. Every process that records telemetry calls
+:func:`shutdown_tracing` before it ends (the actors' ``close()``, the CLI on exit), and a collection calls
+:meth:`Tracer.flush` when it returns: a span or metric point held by a batch exporter is never lost with
+its process. A Ray worker calls :func:`setup_tracing_from_config` with the
 run config (``run_shard`` does so itself) and, to link its rollouts to the driver's job span, runs its
 shards inside :func:`attach_traceparent` with the driver's :func:`current_traceparent`.
 
