@@ -452,9 +452,9 @@ async def acollect(
                 )
                 if span is not None:
                     span.set_attribute(ATTR_RUN_ID, result.run_id)
-            await _flush(tracer)  # the job span is exported when collect returns
             return result
     finally:
+        await _flush(tracer)  # the job span is exported when collect returns or raises
         if view is not None:
             view.close()
 

@@ -443,25 +443,26 @@ async def acollect_local(
     if display.enabled:
         display.total = await asyncio.to_thread(_pending_count, plan, run.settings)
     tracer = setup_tracing(run.tracing)
-    with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
-        async with client_for(run) as client:
-            with display:
-                reports = await run_shards(
-                    next_spec,
-                    client=client,
+    try:
+        with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
+            async with client_for(run) as client:
+                with display:
+                    reports = await run_shards(
+                        next_spec,
+                        client=client,
+                        run=run,
+                        on_outcome=ProgressCounter(display) if display.enabled else None,
+                    )
+                return await finalize_run(
+                    plan,
+                    reports,
                     run=run,
-                    on_outcome=ProgressCounter(display) if display.enabled else None,
+                    client=client,
+                    wall_s=time.monotonic() - started,
                 )
-            result = await finalize_run(
-                plan,
-                reports,
-                run=run,
-                client=client,
-                wall_s=time.monotonic() - started,
-            )
-    if tracer is not None:
-        await asyncio.to_thread(tracer.flush)  # every span of the run is exported when it returns
-    return result
+    finally:
+        if tracer is not None:  # every span of the run is exported when it returns or raises
+            await asyncio.to_thread(tracer.flush)
 
 
 def _pending_count(plan: RunPlan, settings: RunSettings) -> int:
