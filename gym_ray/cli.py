@@ -79,6 +79,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GymRayError as exc:
         print(f"gym-ray {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        flush_telemetry()
+
+
+def flush_telemetry() -> None:
+    """Export and shut down the telemetry this process recorded (spans, metric points), if any.
+
+    Called on every exit of :func:`main`: normal, error, Ctrl-C, and a SIGTERM that unwinds ``main`` with
+    an exception (a signal handler may also call it directly). A no-op, importing nothing, when tracing
+    was never set up in this process. Bounded: each provider waits at most
+    :data:`gym_ray.observe.tracing.DEFAULT_FLUSH_TIMEOUT_S`.
+    """
+    tracing = sys.modules.get("gym_ray.observe.tracing")
+    if tracing is not None:
+        tracing.shutdown_tracing()
 
 
 # Sub-command registrations. Each names the module that implements it; importing is deferred until the

@@ -39,7 +39,7 @@ from gym_ray.distributed.driver import Planner, ShardDriver, driver_max_concurre
 from gym_ray.distributed.live import (
     DEFAULT_PROGRESS_INTERVAL_S,
     ProgressHook,
-    ProgressSnapshot,
+    ProgressView,
     poll_progress,
     progress_snapshot,
 )
@@ -52,8 +52,7 @@ from gym_ray.distributed.worker import (
     worker_max_concurrency,
 )
 from gym_ray.errors import ConfigError, InternalError, NoProgressError, UsageError
-from gym_ray.observe.progress import ProgressDisplay
-from gym_ray.observe.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing
+from gym_ray.observe.tracing import ATTR_RUN_ID, Tracer, current_traceparent, job_span, setup_tracing
 
 if TYPE_CHECKING:
     from gym_ray.run.collect import RunResult, ShardSpec
@@ -62,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds cancelled workers get to close their shard writers before their actors are killed.
 DEFAULT_CANCEL_GRACE_S = 10.0
+#: Seconds every actor gets to flush its telemetry (``close()``) before it is killed.
+DEFAULT_CLOSE_GRACE_S = 30.0
 #: Upper bound of the default worker count (one worker drives hundreds of rollouts at once).
 MAX_DEFAULT_WORKERS = 16
 
@@ -117,6 +118,7 @@ async def run_actors(
     shards_in_flight: int = DEFAULT_SHARDS_IN_FLIGHT,
     max_worker_restarts: int | None = None,
     cancel_grace_s: float = DEFAULT_CANCEL_GRACE_S,
+    close_grace_s: float = DEFAULT_CLOSE_GRACE_S,
     on_started: Callable[[RunActors], None] | None = None,
     traceparent: str | None = None,
     on_progress: ProgressHook | None = None,
@@ -138,6 +140,8 @@ async def run_actors(
         shards_in_flight: Shards each worker runs at once (sharing its admission semaphore).
         max_worker_restarts: Replacement workers allowed in total (default ``2 x num_workers``).
         cancel_grace_s: On cancellation, seconds workers get to close their writers before being killed.
+        close_grace_s: Seconds the actors get, all at once, to flush their telemetry (their ``close()``)
+            before they are killed, at the end of every run (finished, failed or cancelled).
         on_started: Called once the actors exist, with the live :class:`RunActors` (it stays current).
         traceparent: W3C ``traceparent`` of the caller's job span, given to every worker so rollout spans
             link to it (see :func:`gym_ray.observe.tracing.current_traceparent`).
@@ -305,7 +309,9 @@ async def run_actors(
         return result
     finally:
         await _stop_poller(poller)
-        await _teardown(actors, runs, refs, graceful=finished, grace_s=cancel_grace_s)
+        await _teardown(
+            actors, runs, refs, graceful=finished, grace_s=cancel_grace_s, close_grace_s=close_grace_s
+        )
 
 
 def worker_shares(cap: int | None, num_workers: int) -> list[int | None]:
@@ -339,23 +345,52 @@ async def _teardown(
     *,
     graceful: bool,
     grace_s: float,
+    close_grace_s: float = DEFAULT_CLOSE_GRACE_S,
 ) -> None:
-    """Stop every actor of the run. Not graceful: cancel live ``run()`` calls, wait ``grace_s``, kill."""
+    """Stop every actor of the run: cancel live ``run()`` calls (wait ``grace_s``), then ``close()`` every
+    live actor so it flushes its telemetry (wait ``close_grace_s``), then kill them all (the backstop)."""
     import ray
 
-    if runs:
-        for worker_id in runs.values():
-            ray.cancel(refs[worker_id])
-        await asyncio.wait(runs, timeout=grace_s)
-        for run in runs:
-            run.cancel()
-        # Retrieve every outcome (cancelled, killed, ...) so that none is reported as never retrieved.
-        await asyncio.gather(*runs, return_exceptions=True)
-        runs.clear()
-    if not graceful:
-        logger.warning("collect: stopping the run; the run folder is resumable (run again on it)")
-    for handle in [*actors.workers.values(), actors.driver, actors.coordinator]:
-        ray.kill(handle, no_restart=True)
+    handles = [
+        *(handle for worker_id, handle in actors.workers.items() if worker_id not in actors.lost),
+        actors.driver,
+        actors.coordinator,
+    ]
+    try:
+        if runs:
+            for worker_id in runs.values():
+                ray.cancel(refs[worker_id])
+            await asyncio.wait(runs, timeout=grace_s)
+            for run in runs:
+                run.cancel()
+            # Retrieve every outcome (cancelled, killed, ...) so that none is reported as never retrieved.
+            await asyncio.gather(*runs, return_exceptions=True)
+            runs.clear()
+        if not graceful:
+            logger.warning("collect: stopping the run; the run folder is resumable (run again on it)")
+        await _close_actors(handles, timeout_s=close_grace_s)
+    finally:
+        for handle in [*actors.workers.values(), actors.driver, actors.coordinator]:
+            ray.kill(handle, no_restart=True)
+
+
+async def _close_actors(handles: Sequence[Any], *, timeout_s: float) -> None:
+    """Call ``close()`` on every actor at once and wait up to ``timeout_s`` (a dead or slow actor is
+    logged and left to the kill that follows)."""
+    closing = [asyncio.ensure_future(handle.close.remote()) for handle in handles]
+    _, pending = await asyncio.wait(closing, timeout=timeout_s)
+    for call in pending:
+        call.cancel()
+    outcomes = await asyncio.gather(*closing, return_exceptions=True)
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    if failed:
+        logger.warning(
+            "collect: %d of %d actors did not close within %g s (%s); telemetry they still held may be lost",
+            len(failed),
+            len(handles),
+            timeout_s,
+            type(failed[0]).__name__,
+        )
 
 
 @asynccontextmanager
@@ -438,7 +473,7 @@ async def acollect(
     run_dir = str(Path(run_settings.output_dir))
     tracer = setup_tracing(run.tracing)
     show = sys.stderr.isatty() if progress is None else progress
-    view = _ProgressView() if show else None
+    view = ProgressView(stream=sys.stderr, enabled=True) if show else None
     try:
         async with _ray_connection(address) as ray:
             workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
@@ -456,31 +491,17 @@ async def acollect(
                 )
                 if span is not None:
                     span.set_attribute(ATTR_RUN_ID, result.run_id)
-                return result
+            return result
     finally:
+        await _flush(tracer)  # the job span is exported when collect returns or raises
         if view is not None:
             view.close()
 
 
-class _ProgressView:
-    """Adapter from progress snapshots to a :class:`gym_ray.observe.progress.ProgressDisplay` on stderr.
-
-    The display is built at the first snapshot that knows the run's total (once the input is validated).
-    """
-
-    def __init__(self) -> None:
-        self._display: ProgressDisplay | None = None
-
-    def __call__(self, snapshot: ProgressSnapshot) -> None:
-        if snapshot.total is None:
-            return
-        if self._display is None:
-            self._display = ProgressDisplay(snapshot.total, stream=sys.stderr, enabled=True)
-        self._display.update(done=snapshot.done, failed=snapshot.failed, by_server=snapshot.by_server)
-
-    def close(self) -> None:
-        if self._display is not None:
-            self._display.close()
+async def _flush(tracer: Tracer | None) -> None:
+    """Export this process's finished spans and metric values now (the tracer stays usable)."""
+    if tracer is not None:
+        await asyncio.to_thread(tracer.flush)
 
 
 def collect(

@@ -18,6 +18,7 @@ Ray resources: IO bound; start it with ``num_cpus=0``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -144,6 +145,13 @@ class RunCoordinator:
     def pid(self) -> int:
         """This actor's process id (benchmarks sample its memory)."""
         return os.getpid()
+
+    async def close(self) -> None:
+        """Flush and shut down this process's telemetry before the actor is killed (idempotent; a no-op
+        when nothing was traced here). See :func:`gym_ray.observe.tracing.shutdown_tracing`."""
+        from gym_ray.observe.tracing import shutdown_tracing
+
+        await asyncio.to_thread(shutdown_tracing)
 
     async def record_report(
         self, report: ShardReport, by_server: Mapping[str, tuple[int, float]] | None = None

@@ -155,13 +155,17 @@ class ShardDriver:
         self._cond()
 
     async def close(self) -> None:
-        """Stop planning after the shard being cut (if any) and join the planner task. Idempotent."""
+        """Stop planning after the shard being cut (if any), join the planner task, then flush and shut
+        down this process's telemetry (see :func:`gym_ray.observe.tracing.shutdown_tracing`). Idempotent."""
+        from gym_ray.observe.tracing import shutdown_tracing
+
         cond = self._cond()
         async with cond:
             self._closing = True
             cond.notify_all()
         if self._planner_task is not None:
             await self._planner_task
+        await asyncio.to_thread(shutdown_tracing)
 
     async def _plan_loop(self) -> None:
         cond = self._cond()

@@ -25,7 +25,9 @@ Concurrency and failure promises:
 Tracing: ``run()`` sets up this process's tracer from the run config and runs every shard inside
 :func:`~gym_ray.observe.tracing.attach_traceparent` of the driver's job span, so each rollout's root span
 links to
-the job span (no effect when tracing is off or no ``traceparent`` was given).
+the job span (no effect when tracing is off or no ``traceparent`` was given). :meth:`RolloutWorker.close`
+flushes and shuts the telemetry down; the run calls it before killing the actor, so no span or metric
+point held by a batch exporter is lost with the process.
 
 Live progress: :meth:`RolloutWorker.progress` answers the outcomes written so far by the shards this worker
 is *running* (counts by environment server with reward sums, failures), counted per outcome by
@@ -242,6 +244,19 @@ class RolloutWorker:
             failed=total.failed,
             by_server=total.servers(),
         )
+
+    async def close(self) -> None:
+        """Flush this process's telemetry and shut its providers down: the graceful end of the actor.
+
+        Spans still queued in a batch span processor and the last values of a periodic metric reader
+        (``otlp``, ``console`` exporters) are exported before this returns (each provider waits at most
+        :data:`~gym_ray.observe.tracing.DEFAULT_FLUSH_TIMEOUT_S`). The run calls it once ``run()`` has
+        returned or was cancelled, and kills the actor after a bounded wait. Idempotent; a no-op when
+        tracing is off.
+        """
+        from gym_ray.observe.tracing import shutdown_tracing
+
+        await asyncio.to_thread(shutdown_tracing)
 
     async def run(self) -> WorkerTotals:
         """Pull and run shards until the driver has none left; return this worker's totals.

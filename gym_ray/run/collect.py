@@ -33,7 +33,7 @@ from gym_ray.dispatch.engine import dispatch
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
 from gym_ray.errors import NoProgressError, RunRejectedError
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
-from gym_ray.observe.tracing import job_span, setup_tracing
+from gym_ray.observe.tracing import job_span, run_scope, setup_tracing
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.shards import (
     DEFAULT_SHARD_SIZE,
@@ -75,6 +75,9 @@ __all__ = [
 ]
 
 SUMMARY_FILE = "rollouts_summary.json"
+#: Seconds between two writes of a running shard's progress file (``gym-ray status`` reads its counts
+#: and timestamp, so a live run's rate is measured on counts that match their time).
+PROGRESS_FILE_INTERVAL_S = 5.0
 
 OutcomeHook = Callable[[dict[str, Any], dict[str, Any]], None]
 
@@ -192,6 +195,7 @@ async def run_shard(
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(loop.time() + stall_s) as watchdog:
+                progress_due = loop.time() + PROGRESS_FILE_INTERVAL_S
                 async for row, outcome in completions:
                     watchdog.reschedule(loop.time() + stall_s)
                     record = record_of(row, outcome)
@@ -208,6 +212,9 @@ async def run_shard(
                         succeeded += 1
                     if on_outcome is not None:
                         on_outcome(row, record)
+                    if loop.time() >= progress_due:
+                        writer.write_progress()
+                        progress_due = loop.time() + PROGRESS_FILE_INTERVAL_S
         except TimeoutError as exc:
             stats = completions.stats()
             raise NoProgressError(
@@ -278,14 +285,15 @@ async def run_shards(
     async def lane() -> None:
         while (spec := await next_spec()) is not None:
             try:
-                report = await run_one(
-                    spec,
-                    client=client,
-                    run=run,
-                    semaphore=semaphore,
-                    on_outcome=on_outcome,
-                    worker=worker,
-                )
+                with run_scope(spec.run_id):  # rollout spans carry the run id
+                    report = await run_one(
+                        spec,
+                        client=client,
+                        run=run,
+                        semaphore=semaphore,
+                        on_outcome=on_outcome,
+                        worker=worker,
+                    )
             except Exception as exc:
                 if on_error is None:
                     raise
@@ -464,22 +472,26 @@ async def acollect_local(
     if display.enabled:
         display.total = await asyncio.to_thread(_pending_count, plan, run.settings)
     tracer = setup_tracing(run.tracing)
-    with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
-        async with client_for(run) as client:
-            with display:
-                reports = await run_shards(
-                    next_spec,
-                    client=client,
+    try:
+        with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
+            async with client_for(run) as client:
+                with display:
+                    reports = await run_shards(
+                        next_spec,
+                        client=client,
+                        run=run,
+                        on_outcome=ProgressCounter(display) if display.enabled else None,
+                    )
+                return await finalize_run(
+                    plan,
+                    reports,
                     run=run,
-                    on_outcome=ProgressCounter(display) if display.enabled else None,
+                    client=client,
+                    wall_s=time.monotonic() - started,
                 )
-            return await finalize_run(
-                plan,
-                reports,
-                run=run,
-                client=client,
-                wall_s=time.monotonic() - started,
-            )
+    finally:
+        if tracer is not None:  # every span of the run is exported when it returns or raises
+            await asyncio.to_thread(tracer.flush)
 
 
 def _pending_count(plan: RunPlan, settings: RunSettings) -> int:

@@ -69,6 +69,8 @@ Item = tuple[Row, Outcome]
 PULL_WAIT_S = 0.25
 #: Rows per ``submit`` call at most.
 SUBMIT_BATCH = 64
+#: Seconds the workers get to ``close()`` (end their runs, flush telemetry) before they are killed.
+CLOSE_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -371,7 +373,12 @@ class RolloutStream:
         drained: list[Item | list[Item]] = []
         live = [slot for slot in self._slots if slot.handle is not None]
         try:
-            closing = [slot.handle.close.remote(drain) for slot in live]
+            # Bounded: a worker that does not close in time is killed below (the backstop).
+            closing = [asyncio.ensure_future(slot.handle.close.remote(drain)) for slot in live]
+            if closing:
+                _, late = await asyncio.wait(closing, timeout=CLOSE_GRACE_S)
+                for call in late:
+                    call.cancel()
             results = await asyncio.gather(*closing, return_exceptions=True)
             if drain:
                 drained = list(self._ready)
