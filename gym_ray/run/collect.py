@@ -30,6 +30,7 @@ from gym_ray.config.settings import RunSettings
 from gym_ray.dispatch import latency
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.engine import dispatch
+from gym_ray.dispatch.health import ServerHealth, current_health, health_scope
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
 from gym_ray.errors import NoProgressError
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
@@ -153,7 +154,33 @@ async def run_shard(
     Raises:
         ShardLockError: A newer writer opened the shard while this call ran (this call is the zombie).
         ShardIOError: A write or fsync failed; the shard is failed and resumable.
+        ServerOutageError: An environment server looked down for ``server_outage_timeout_s``; nothing was
+            recorded for the rows it held back (resumable).
+
+    Infrastructure failures are resent on their own budget through the :class:`ServerHealth` made current
+    by :func:`run_shards` (or one of this call's own).
     """
+    health = current_health()
+    if health is not None:
+        return await _run_shard(spec, client, run, semaphore, on_outcome, worker, health)
+    async with health_for(run, client) as own:
+        return await _run_shard(spec, client, run, semaphore, on_outcome, worker, own)
+
+
+def health_for(run: RunConfig, client: ServerClient) -> ServerHealth:
+    """The server health tracker of one process, from the run's settings (probes go through ``client``)."""
+    return ServerHealth(client, outage_timeout_s=run.settings.server_outage_timeout_s)
+
+
+async def _run_shard(
+    spec: ShardSpec,
+    client: ServerClient,
+    run: RunConfig,
+    semaphore: asyncio.Semaphore | None,
+    on_outcome: OutcomeHook | None,
+    worker: str | None,
+    health: ServerHealth,
+) -> ShardReport:
     started = time.monotonic()
     settings = run.settings
     writer = ShardWriter(
@@ -186,11 +213,20 @@ async def run_shard(
             route_failures_to_sidecar=settings.route_failures_to_sidecar,
             retry_requests=settings.retry_requests,
             tracer=setup_tracing(run.tracing),  # None (no overhead) unless tracing.enabled
+            health=health,
+            max_infra_retries=settings.max_infra_retries,
         )
         stall_s = settings.no_progress_timeout_s
         loop = asyncio.get_running_loop()
+        unwatch = None
         try:
             async with asyncio.timeout_at(loop.time() + stall_s) as watchdog:
+                # A down server's rows wait for its probe, bounded by server_outage_timeout_s instead.
+                def keep_alive() -> None:
+                    if not watchdog.expired():
+                        watchdog.reschedule(loop.time() + stall_s)
+
+                unwatch = health.watch(keep_alive)
                 async for row, outcome in completions:
                     watchdog.reschedule(loop.time() + stall_s)
                     record = record_of(row, outcome)
@@ -216,6 +252,8 @@ async def run_shard(
                 "(raise no_progress_timeout_s for rollouts that legitimately take longer)"
             ) from exc
         finally:
+            if unwatch is not None:
+                unwatch()
             await completions.aclose()
         writer.write_progress()
     finally:
@@ -250,6 +288,9 @@ async def run_shards(
 ) -> list[ShardReport]:
     """Run shards as ``next_spec`` hands them out until it returns None; the loop of one worker.
 
+    The lanes share one :class:`ServerHealth` (made current here unless the caller made one current): a
+    server that looks down holds back the rows of every lane until it is back.
+
     ``parallel_shards`` lanes pull shards and share one semaphore of ``max_resident_tasks`` requests, so
     the concurrency window stays full while one shard drains its tail and the next one starts. Live
     rollout tasks stay below ``parallel_shards * max_resident_tasks``.
@@ -272,6 +313,21 @@ async def run_shards(
     """
     run_one = shard_fn or run_shard
     semaphore = asyncio.Semaphore(run.settings.max_resident_tasks)
+    health = current_health()
+    if health is None:
+        async with health_for(run, client) as own:
+            with health_scope(own):
+                return await run_shards(
+                    next_spec,
+                    client=client,
+                    run=run,
+                    parallel_shards=parallel_shards,
+                    on_report=on_report,
+                    on_outcome=on_outcome,
+                    worker=worker,
+                    shard_fn=shard_fn,
+                    on_error=on_error,
+                )
     reports: list[ShardReport] = []
 
     async def lane() -> None:

@@ -59,6 +59,8 @@ class Deployment:
         self.servers: dict[str, ReferenceServer] = {}
         self.head = HeadServer()
         self._runners: list[web.AppRunner] = []
+        # name -> (its runner, or None while stopped; the interface and port it listens on)
+        self._sites: dict[str, tuple[web.AppRunner | None, str, int]] = {}
 
     def url_of(self, name: str) -> str:
         """``http://host:port`` of instance ``name`` (reference or not).
@@ -92,6 +94,33 @@ class Deployment:
                 f"{name!r} is an {type(server).__name__}; only example_env has a policy", key=name
             )
         server.policy.skill = skill
+
+    async def stop_server(self, name: str) -> None:
+        """Stop serving reference instance ``name``: its port refuses connections until
+        :meth:`restart_server`. A test tool for outages (its counters are kept).
+
+        Raises:
+            ConfigError: ``name`` is not a reference server of this deployment, or is already stopped.
+        """
+        self._server(name)
+        runner, host, port = self._sites[name]
+        if runner is None:
+            raise ConfigError(f"reference server {name!r} is already stopped", key=name)
+        self._runners.remove(runner)
+        self._sites[name] = (None, host, port)
+        await runner.cleanup()
+
+    async def restart_server(self, name: str) -> None:
+        """Serve reference instance ``name`` again on the same interface and port after :meth:`stop_server`.
+
+        Raises:
+            ConfigError: ``name`` is not a stopped reference server, or its port is taken meanwhile.
+        """
+        server = self._server(name)
+        runner, host, port = self._sites[name]
+        if runner is not None:
+            raise ConfigError(f"reference server {name!r} is running; stop_server() it first", key=name)
+        await self._bind(server.make_app(), host, port, what=name)
 
     def _server(self, name: str) -> ReferenceServer:
         try:
@@ -140,7 +169,9 @@ class Deployment:
                 "free the port or use port 0",
                 key=f"{what}.port",
             ) from exc
-        return _web.bound_port(runner)
+        bound = _web.bound_port(runner)
+        self._sites[what] = (runner, host, bound)
+        return bound
 
     async def _stop(self) -> None:
         runners, self._runners = self._runners, []
@@ -233,6 +264,16 @@ class ThreadedDeployment:
         """See ``Deployment.set_skill``."""
         deployment = self._live()
         self._on_loop(lambda: deployment.set_skill(name, skill))
+
+    def stop_server(self, name: str) -> None:
+        """See ``Deployment.stop_server`` (runs on the servers' loop)."""
+        future = asyncio.run_coroutine_threadsafe(self._live().stop_server(name), self._loop)
+        future.result(timeout=30.0)
+
+    def restart_server(self, name: str) -> None:
+        """See ``Deployment.restart_server`` (runs on the servers' loop)."""
+        future = asyncio.run_coroutine_threadsafe(self._live().restart_server(name), self._loop)
+        future.result(timeout=30.0)
 
     def close(self) -> None:
         """Stop the servers and join the thread."""
