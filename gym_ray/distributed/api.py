@@ -54,6 +54,7 @@ from gym_ray.distributed.worker import (
 from gym_ray.errors import ConfigError, InternalError, NoProgressError, UsageError
 from gym_ray.observe.progress import ProgressDisplay
 from gym_ray.observe.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing
+from gym_ray.record.run_lock import RunLock
 
 if TYPE_CHECKING:
     from gym_ray.run.collect import RunResult, ShardSpec
@@ -378,6 +379,7 @@ async def acollect(
 
     Raises:
         ConfigError: Bad config or settings (before Ray starts).
+        RunLockError: Another run holds ``output_dir`` (before Ray starts).
         GymRayError: Planning or a shard failed; the run folder is resumable.
         CancelledError: Cancelled; the actors are stopped, the run folder is resumable.
     """
@@ -400,6 +402,7 @@ async def acollect(
     tracer = setup_tracing(run.tracing)
     show = sys.stderr.isatty() if progress is None else progress
     view = _ProgressView() if show else None
+    lock = RunLock(run_dir, what="collect").acquire()  # before Ray starts: a busy folder is refused at once
     try:
         async with _ray_connection(address) as ray:
             workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
@@ -419,6 +422,7 @@ async def acollect(
                     span.set_attribute(ATTR_RUN_ID, result.run_id)
                 return result
     finally:
+        lock.release()
         if view is not None:
             view.close()
 

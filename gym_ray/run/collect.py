@@ -53,6 +53,7 @@ from gym_ray.record.aggregate import (
 )
 from gym_ray.record.atomic import atomic_write_bytes
 from gym_ray.record.merge import merge_shards
+from gym_ray.record.run_lock import RunLock
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error
 
@@ -478,9 +479,22 @@ async def acollect_local(
 
     Returns:
         The run result (paths, counts, key metrics per environment server).
+
+    Raises:
+        RunLockError: Another run holds ``output_dir`` (refused before planning or sending anything).
+        ServerOutageError: An environment server stayed down past ``server_outage_timeout_s`` (resumable).
     """
     started = time.monotonic()
     run = await resolve_run_config(config, overrides=overrides, settings=settings)
+    if run.settings.output_dir is None:
+        return await _collect_locked(run, rows, progress, started)
+    with RunLock(run.settings.output_dir, what="collect"):
+        return await _collect_locked(run, rows, progress, started)
+
+
+async def _collect_locked(
+    run: RunConfig, rows: Iterable[Mapping[str, Any]] | None, progress: bool | None, started: float
+) -> RunResult:
     plan = await asyncio.to_thread(prepare_run, run, rows=rows)
     specs = iter(plan.shards)
 
