@@ -54,7 +54,7 @@ from gym_ray.distributed.worker import (
 from gym_ray.errors import ConfigError, InternalError, NoProgressError, UsageError
 from gym_ray.observe.progress import ProgressDisplay
 from gym_ray.observe.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing
-from gym_ray.record.run_lock import RunLock
+from gym_ray.record.run_lock import RunLock, sweep_leftovers
 
 if TYPE_CHECKING:
     from gym_ray.run.collect import RunResult, ShardSpec
@@ -404,6 +404,7 @@ async def acollect(
     view = _ProgressView() if show else None
     lock = RunLock(run_dir, what="collect").acquire()  # before Ray starts: a busy folder is refused at once
     try:
+        sweep_leftovers(run_dir)  # temp folders of a killed run on this folder
         async with _ray_connection(address) as ray:
             workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
             rows_ref = ray.put([dict(row) for row in rows]) if rows is not None else None

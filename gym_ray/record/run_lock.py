@@ -10,7 +10,10 @@ Durability and liveness promises:
 - The lock is ``flock(LOCK_EX | LOCK_NB)`` on ``<run folder>/.gym_ray_run.lock``. The kernel releases it
   when the holder's process dies (``kill -9`` included): a crashed run never blocks its resume.
 - The file holds the current holder's description (JSON: pid, host, started_at), rewritten by each new
-  holder; it is never unlinked (unlinking a lock file lets two processes lock two different inodes).
+  holder; it is not unlinked (unlinking a lock file lets two processes lock two different inodes), with
+  one exception: a run that created the folder and wrote nothing else into it (its input was refused)
+  removes the file and the folder, still holding the lock, so bad input leaves no output behind. A run
+  racing to start on that same fresh folder then fails on the missing folder, never writes twice.
 - A lock is per open file: a second run in the same process is refused like one in another process.
 
 Accepted trade-off: ``flock`` is only as good as the file system's locking; on an NFS mount without lock
@@ -22,14 +25,19 @@ from __future__ import annotations
 import datetime
 import fcntl
 import json
+import logging
 import os
+import re
+import shutil
 import socket
 from pathlib import Path
 from types import TracebackType
 
 from gym_ray.errors import RecordError, RunLockError
 
-__all__ = ["RUN_LOCK_FILE", "RunLock"]
+__all__ = ["RUN_LOCK_FILE", "RunLock", "sweep_leftovers"]
+
+logger = logging.getLogger("gym_ray.record.run_lock")
 
 #: The lock file's name inside a run folder.
 RUN_LOCK_FILE = ".gym_ray_run.lock"
@@ -52,6 +60,7 @@ class RunLock:
         self.path = self.run_dir / RUN_LOCK_FILE
         self._what = what
         self._fd: int | None = None
+        self._created_dir = False
 
     @property
     def held(self) -> bool:
@@ -69,6 +78,7 @@ class RunLock:
         if self._fd is not None:
             raise RuntimeError(f"this RunLock already holds {self.path}")
         try:
+            self._created_dir = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -105,9 +115,19 @@ class RunLock:
         fd, self._fd = self._fd, None
         if fd is not None:
             try:
+                if self._created_dir:
+                    self._remove_if_untouched()
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
+
+    def _remove_if_untouched(self) -> None:
+        try:
+            if os.listdir(self.run_dir) == [RUN_LOCK_FILE]:
+                self.path.unlink()
+                self.run_dir.rmdir()
+        except OSError:
+            pass  # a file appeared meanwhile, or the folder is not ours to remove: keep everything
 
     def __enter__(self) -> RunLock:
         return self.acquire()
@@ -116,6 +136,43 @@ class RunLock:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release()
+
+
+# Temp names gym_ray makes in a run folder: planning's staging folders, aggregation spools, merge folders,
+# atomic-write temp files and quarantine rewrites. Only dot-names: nothing a user would name a file.
+_LEFTOVER = re.compile(r"^\.(staging-|aggregate-|merge-)|^\..+\.(tmp|repair)-[0-9a-f]+$")
+
+
+def sweep_leftovers(run_dir: str | os.PathLike[str]) -> list[str]:
+    """Remove the temp folders and files a killed run left in ``run_dir``; return their names, sorted.
+
+    Call it only while holding the folder's :class:`RunLock` (at the start of a run): the temp files of
+    a live run would be removed too. Removes ``.staging-*``, ``.aggregate-*``, ``.merge-*`` and the
+    ``.<name>.tmp-<hex>`` / ``.<name>.repair-<hex>`` files of interrupted atomic writes; nothing else.
+    """
+    root = Path(run_dir)
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        if not _LEFTOVER.match(name):
+            continue
+        path = root / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(name)
+    if removed:
+        logger.warning(
+            "removed %d leftover temp entries of an interrupted run in %s: %s",
+            len(removed),
+            root,
+            ", ".join(removed[:10]),
+        )
+    return removed
 
 
 def _read_holder(fd: int) -> str:

@@ -316,7 +316,10 @@ def format_status(status: RunStatus) -> str:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(status.updated_at))
         out.append(f"last update: {stamp} UTC")
     if status.corrupt_lines:
-        out.append(f"corrupt lines skipped: {status.corrupt_lines} (repaired when the shard is reopened)")
+        out.append(
+            f"corrupt lines: {status.corrupt_lines} (not counted above; a resume moves them to "
+            "<shard file>.quarantine and runs again the rollouts they held)"
+        )
     out.extend(
         f"shard {s.shard} cannot be resumed: {s.resume_error}" for s in status.shards if s.resume_error
     )

@@ -53,7 +53,7 @@ from gym_ray.record.aggregate import (
 )
 from gym_ray.record.atomic import atomic_write_bytes
 from gym_ray.record.merge import merge_shards
-from gym_ray.record.run_lock import RunLock
+from gym_ray.record.run_lock import RunLock, sweep_leftovers
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error
 
@@ -489,6 +489,7 @@ async def acollect_local(
     if run.settings.output_dir is None:
         return await _collect_locked(run, rows, progress, started)
     with RunLock(run.settings.output_dir, what="collect"):
+        sweep_leftovers(run.settings.output_dir)  # temp folders of a killed run on this folder
         return await _collect_locked(run, rows, progress, started)
 
 

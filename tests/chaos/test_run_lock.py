@@ -58,7 +58,8 @@ async def test_collect_on_ray_and_a_recording_stream_are_refused_on_a_locked_fol
             with pytest.raises(RunLockError, match=r"in use by another run \(collect pid "):
                 await stream.start()
             assert next(rows)["expected_answer"] == "1"  # not one row was pulled
-        assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK_FILE]  # nothing planned
+            assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK_FILE]  # nothing planned
+        assert not out.exists()  # the lock made the folder and nothing else used it: no trace left
 
 
 def test_the_lock_is_released_by_the_kernel_when_its_holder_is_killed(tmp_path: Path) -> None:
