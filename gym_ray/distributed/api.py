@@ -51,9 +51,10 @@ from gym_ray.distributed.worker import (
     WorkerTotals,
     worker_max_concurrency,
 )
-from gym_ray.errors import ConfigError, InternalError, NoProgressError, UsageError
+from gym_ray.errors import ConfigError, InternalError, NoProgressError, ServerOutageError, UsageError
 from gym_ray.observe.progress import ProgressDisplay
 from gym_ray.observe.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing
+from gym_ray.record.outage_note import clear_outage, write_outage
 from gym_ray.record.run_lock import RunLock, sweep_leftovers
 
 if TYPE_CHECKING:
@@ -410,15 +411,20 @@ async def acollect(
             rows_ref = ray.put([dict(row) for row in rows]) if rows is not None else None
             planner = functools.partial(plan_from_config, run, rows_ref)
             with job_span(tracer, run_dir=run_dir) as span:
-                result = await run_actors(
-                    run,
-                    planner,
-                    run_dir=run_dir,
-                    num_workers=workers,
-                    started_at=started,
-                    traceparent=current_traceparent() if span is not None else None,
-                    on_progress=view,
-                )
+                try:
+                    result = await run_actors(
+                        run,
+                        planner,
+                        run_dir=run_dir,
+                        num_workers=workers,
+                        started_at=started,
+                        traceparent=current_traceparent() if span is not None else None,
+                        on_progress=view,
+                    )
+                except ServerOutageError as exc:
+                    write_outage(run_dir, exc)  # for `status`: why the run is unfinished
+                    raise
+                clear_outage(run_dir)
                 if span is not None:
                     span.set_attribute(ATTR_RUN_ID, result.run_id)
                 return result

@@ -32,7 +32,7 @@ from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.engine import dispatch
 from gym_ray.dispatch.health import ServerHealth, current_health, health_scope
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
-from gym_ray.errors import NoProgressError
+from gym_ray.errors import NoProgressError, ServerOutageError
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
 from gym_ray.observe.tracing import job_span, setup_tracing
 from gym_ray.plan.resume import plan_resume
@@ -53,6 +53,7 @@ from gym_ray.record.aggregate import (
 )
 from gym_ray.record.atomic import atomic_write_bytes
 from gym_ray.record.merge import merge_shards
+from gym_ray.record.outage_note import clear_outage, write_outage
 from gym_ray.record.run_lock import RunLock, sweep_leftovers
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error
@@ -490,7 +491,13 @@ async def acollect_local(
         return await _collect_locked(run, rows, progress, started)
     with RunLock(run.settings.output_dir, what="collect"):
         sweep_leftovers(run.settings.output_dir)  # temp folders of a killed run on this folder
-        return await _collect_locked(run, rows, progress, started)
+        try:
+            result = await _collect_locked(run, rows, progress, started)
+        except ServerOutageError as exc:
+            write_outage(run.settings.output_dir, exc)  # for `status`: why the run is unfinished
+            raise
+        clear_outage(run.settings.output_dir)
+        return result
 
 
 async def _collect_locked(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 
 from gym_ray.errors import ServerOutageError
 from gym_ray.record.ledger import check_run
+from gym_ray.record.status import format_status, run_status
 from gym_ray.run.collect import acollect_local
 from gym_ray.servers import serve_config
 
@@ -144,6 +146,14 @@ async def test_a_server_down_past_the_timeout_stops_the_run_resumable(tmp_path: 
         recorded_before = 200 - partial.missing
         assert 0 < recorded_before < 200
         assert not (out / "rollouts.jsonl").exists()  # the run never finalized
+        text = format_status(run_status(out))
+        assert f"{200 - recorded_before} rollout(s) pending" in text
+        assert re.search(
+            r"\nstopped at [0-9: -]+ UTC: environment server 'calc_env' \(http://127\.0\.0\.1:\d+\) was "
+            r"down for [0-9.]+ s \(server_outage_timeout_s\); bring it back, then rerun on this folder to "
+            r"resume\n",
+            text,
+        )
 
         await dep.restart_server("calc_env")
         result = await acollect_local(dep.config, rows=_rows(200), output_dir=str(out), **settings)
@@ -161,3 +171,4 @@ async def test_a_server_down_past_the_timeout_stops_the_run_resumable(tmp_path: 
         assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
         rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
         assert len(rollouts) == 200
+        assert "stopped at" not in format_status(run_status(out))
