@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
+from gym_ray.distributed.api import acollect
 from gym_ray.errors import ServerOutageError
 from gym_ray.record.ledger import check_run
 from gym_ray.record.status import format_status, run_status
 from gym_ray.run.collect import acollect_local
-from gym_ray.servers import serve_config
+from gym_ray.servers import serve_config, start_in_thread
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -172,3 +173,32 @@ async def test_a_server_down_past_the_timeout_stops_the_run_resumable(tmp_path: 
         rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
         assert len(rollouts) == 200
         assert "stopped at" not in format_status(run_status(out))
+
+
+@pytest.mark.ray
+async def test_a_distributed_run_stops_with_server_outage_error_and_a_rerun_completes(
+    ray_session: Any, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    settings: dict[str, Any] = {"shard_size": 40, "max_resident_tasks": 8, "server_outage_timeout_s": 2.0}
+    with start_in_thread(_config(latency_ms=5)) as servers:
+        run = asyncio.create_task(
+            acollect(servers.config, rows=_rows(200), output_dir=str(out), num_workers=1, **settings)
+        )
+        try:
+            await _until(lambda: servers.stats("calc_env").requests >= 40, "40 requests", timeout_s=120)
+            await asyncio.to_thread(servers.stop_server, "calc_env")
+            with pytest.raises(
+                ServerOutageError, match=r"environment server 'calc_env' \(http://127\.0\.0\.1"
+            ):
+                await run
+        finally:
+            run.cancel()
+        assert _failure_lines(out) == 0
+        await asyncio.to_thread(servers.restart_server, "calc_env")
+        result = await acollect(
+            servers.config, rows=_rows(200), output_dir=str(out), num_workers=1, **settings
+        )
+    report = check_run(out)
+    assert (result.succeeded, result.failed) == (200, 0)
+    assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
