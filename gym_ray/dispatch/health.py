@@ -269,12 +269,21 @@ class ServerHealth:
             )
         return out
 
+    def summary(self) -> str:
+        """One short phrase per server that is not up (``"calc_env down 12s"``); "" when all are up."""
+        return ", ".join(
+            f"{s.server} {s.state} {s.down_s:.0f}s" if s.state != "paused" else f"{s.server} paused"
+            for s in self.snapshot().values()
+            if s.state != "up"
+        )
+
     def any_down(self) -> bool:
         """True while some server looks down (its rows are held back)."""
         return any(st.down_since is not None and st.error is None for st in self._servers.values())
 
     def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call ``callback()`` after every probe (a sign of life of the run while a server is down).
+        """Call ``callback()`` when a server looks down, after every probe (a sign of life of the run while
+        a server is down) and when it is back.
 
         Returns:
             A function that removes the callback.
@@ -311,6 +320,7 @@ class ServerHealth:
         )
         if st.probe is None or st.probe.done():  # a probe still running keeps serving this outage
             st.probe = asyncio.get_running_loop().create_task(self._probe(st))
+        self._notify()
 
     def _mark_up(self, st: _Server) -> None:
         down_s = 0.0 if st.down_since is None else self._clock() - st.down_since
@@ -321,6 +331,7 @@ class ServerHealth:
         logger.warning(
             "environment server %r (%s) is back after %.1f s; admission resumes", st.name, st.url, down_s
         )
+        self._notify()
 
     def _notify(self) -> None:
         for callback in list(self._watchers):
@@ -351,7 +362,6 @@ class ServerHealth:
                 return  # a row in flight got an answer meanwhile
             if await self._is_up(st.url):
                 self._mark_up(st)
-                self._notify()
                 return
             self._notify()
             delay = min(delay * 2.0, self._probe_max_s)

@@ -516,12 +516,18 @@ async def _collect_locked(
     with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
         async with client_for(run) as client:
             with display:
-                reports = await run_shards(
-                    next_spec,
-                    client=client,
-                    run=run,
-                    on_outcome=ProgressCounter(display) if display.enabled else None,
-                )
+                async with health_for(run, client) as health:
+                    unwatch = health.watch(lambda: display.set_note(health.summary()))
+                    try:
+                        with health_scope(health):
+                            reports = await run_shards(
+                                next_spec,
+                                client=client,
+                                run=run,
+                                on_outcome=ProgressCounter(display) if display.enabled else None,
+                            )
+                    finally:
+                        unwatch()
             return await finalize_run(
                 plan,
                 reports,

@@ -75,7 +75,9 @@ def print_figures(name: str, **figures: Any) -> None:
     print(f"[chaos {name}] " + " ".join(f"{k}={v}" for k, v in figures.items()))
 
 
-async def _outage_run(tmp_path: Path, outage_s: float, rows: int) -> None:
+async def _outage_run(
+    tmp_path: Path, outage_s: float, rows: int, capsys: pytest.CaptureFixture[str] | None = None
+) -> None:
     async with serve_config(_config(latency_ms=5)) as dep:
         out = tmp_path / "run"
         run = asyncio.create_task(
@@ -86,6 +88,7 @@ async def _outage_run(tmp_path: Path, outage_s: float, rows: int) -> None:
                 shard_size=100,
                 max_resident_tasks=16,
                 server_outage_timeout_s=120.0,
+                progress=capsys is not None,
             )
         )
         try:
@@ -113,10 +116,17 @@ async def _outage_run(tmp_path: Path, outage_s: float, rows: int) -> None:
         assert _failure_lines(out) == 0
         assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
         assert report.ok
+    if capsys is not None:  # the progress lines showed the outage while it lasted, and its end
+        lines = capsys.readouterr().err.splitlines()
+        assert any(re.search(r" \| calc_env down \d+s$", line) for line in lines)
+        assert lines[-1].startswith(f"{rows}/{rows} (100.0%)")
+        assert "down" not in lines[-1]
 
 
-async def test_a_short_server_outage_mid_run_costs_no_failure_record(tmp_path: Path) -> None:
-    await _outage_run(tmp_path, outage_s=3.0, rows=300)
+async def test_a_short_server_outage_mid_run_costs_no_failure_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await _outage_run(tmp_path, outage_s=3.0, rows=300, capsys=capsys)
 
 
 @pytest.mark.slow
