@@ -249,7 +249,8 @@ class RunSettings(BaseModel):
             answered with a failure; infrastructure failures do not count).
         max_infra_retries: resends of one rollout after infrastructure failures (connection refused or
             reset, timeout, 429/502/503/504) while its server still looked up; waiting for a down server
-            spends none.
+            spends none. Keep it >= 3 (the failures in a row that make a server look down) so that an
+            outage alone never turns a row into a failure record.
         server_outage_timeout_s: how long an environment server may look down (its rows held back while a
             probe checks it) before the run stops, resumable, with ``ServerOutageError``.
         shard_size: rows per shard, or None (automatic).
