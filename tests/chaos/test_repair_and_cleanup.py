@@ -3,7 +3,10 @@ damaged materialized inputs stop a resume before anything is sent; temp folders 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ from gym_ray.record.ledger import check_run
 from gym_ray.record.status import format_status, run_status
 from gym_ray.run.collect import acollect_local
 from gym_ray.servers import serve_config
-from tests.chaos.test_server_outage import _config, _rows, print_figures
+from tests.chaos.test_server_outage import _config, _rows, _until, print_figures
 
 
 def _read(path: Path) -> bytes:
@@ -125,3 +128,48 @@ async def test_temp_folders_of_killed_runs_are_swept_and_a_successful_run_leaves
     ]
     assert (out / "notes.txt").read_text() == "mine"
     assert check_run(out).ok
+
+
+_CHILD = """
+import asyncio, json, sys
+from gym_ray.run.collect import acollect_local
+cfg, rows, out = json.load(open(sys.argv[1]))
+asyncio.run(acollect_local(cfg, rows=rows, output_dir=out, shard_size=25, max_resident_tasks=8))
+"""
+
+
+async def test_sigkill_resume_cycles_leave_no_temp_folder_and_lose_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = tmp_path / "args.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    kills: list[int] = []
+    async with serve_config(_config(latency_ms=10)) as dep:
+        args.write_text(json.dumps([dep.config, _rows(200), str(out)]))
+        for target in (30, 90, 150):  # kill the run at three points, each after more /run calls
+            child = await asyncio.create_subprocess_exec(sys.executable, "-c", _CHILD, str(args), env=env)
+            try:
+                await _until(lambda t=target: dep.stats("calc_env").requests >= t, f"{target} requests")
+            finally:
+                child.kill()  # SIGKILL: no finally blocks, no cleanup
+                await child.wait()
+            kills.append(dep.stats("calc_env").requests)
+        result = await acollect_local(
+            dep.config, rows=_rows(200), output_dir=str(out), shard_size=25, max_resident_tasks=8
+        )
+        requests = dep.stats("calc_env").requests
+    report = check_run(out)
+    temp_prefixes = (".staging", ".aggregate", ".merge")
+    leftovers = sorted(p.name for p in out.iterdir() if p.name.startswith(temp_prefixes))
+    print_figures(
+        "kill/resume cycles",
+        killed_after_requests=kills,
+        requests=requests,
+        wasted_requests=requests - 200,
+        lost=report.lost,
+        missing=report.missing,
+        duplicates=report.duplicates,
+        leftovers=len(leftovers),
+    )
+    assert leftovers == []
+    assert (result.succeeded, result.failed) == (200, 0)
+    assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
