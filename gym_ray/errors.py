@@ -13,8 +13,10 @@
     │   ├── ServerConnectionError      no connection / no answer
     │   ├── ServerHTTPError            an error status (``status``, ``body_excerpt``)
     │   ├── ServerResponseError        a 200 reply that is not what the protocol says
+    │   ├── ServerOutageError          a server stayed down past server_outage_timeout_s (resumable)
     │   └── AggregationError           one or more /aggregate_metrics calls failed
     ├── RecordError                    the run folder could not be written
+    │   ├── RunLockError               another run holds the run folder (names pid, host, start time)
     │   ├── ShardLockError (RuntimeError)   another writer opened the shard since this one did
     │   └── ShardIOError (OSError)     a write or fsync failed; the shard is failed, never retried
     ├── NoProgressError                nothing finished for N seconds (liveness)
@@ -99,7 +101,16 @@ class ServerError(GymRayError):
 
 
 class ServerConnectionError(ServerError):
-    """No connection could be made, or the connection broke before a full reply."""
+    """No connection could be made, or the connection broke before a full reply.
+
+    ``kind`` says which: ``"connect"`` (no connection was established, nothing was sent), ``"timeout"``
+    (no reply in time) or ``"broken"`` (the connection broke; the body may have been received); None when
+    unknown.
+    """
+
+    def __init__(self, message: str, *, url: str | None = None, kind: str | None = None) -> None:
+        super().__init__(message, url=url)
+        self.kind = kind
 
 
 class ServerHTTPError(ServerError):
@@ -136,6 +147,21 @@ class ServerResponseError(ServerError):
         self.body_excerpt = body_excerpt
 
 
+class ServerOutageError(ServerError):
+    """A server answered nothing (or only 502/503/504) for longer than ``server_outage_timeout_s``.
+
+    The run stopped without recording the rollouts of that server's rows as failures: rerun on the same
+    output folder once the server is back. ``server`` names the server, ``down_s`` how long it was down.
+    """
+
+    def __init__(
+        self, message: str, *, url: str | None = None, server: str | None = None, down_s: float = 0.0
+    ) -> None:
+        super().__init__(message, url=url)
+        self.server = server
+        self.down_s = down_s
+
+
 class AggregationError(ServerError):
     """One or more ``/aggregate_metrics`` calls failed. ``servers`` maps server -> error text."""
 
@@ -146,6 +172,15 @@ class AggregationError(ServerError):
 
 class RecordError(GymRayError):
     """The run folder could not be written."""
+
+
+class RunLockError(RecordError):
+    """Another run holds the run folder's lock. ``holder`` describes it (pid, host, start time)."""
+
+    def __init__(self, message: str, *, path: str | None = None, holder: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.holder = holder
 
 
 class ShardLockError(RecordError, RuntimeError):

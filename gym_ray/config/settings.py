@@ -341,7 +341,14 @@ class RunSettings(BaseModel):
         drain_margin_s: time kept back from the budget for draining, or None (automatic).
         route_failures_to_sidecar: write failure records to ``*_failures.jsonl``.
         retry_requests: retry a ``/run`` whose connection failed before an answer.
-        max_rollout_attempts: attempts per rollout before resume gives up on it.
+        max_rollout_attempts: attempts per rollout before resume gives up on it (rollouts the server
+            answered with a failure; infrastructure failures do not count).
+        max_infra_retries: resends of one rollout after infrastructure failures (connection refused or
+            reset, timeout, 429/502/503/504) while its server still looked up; waiting for a down server
+            spends none. Keep it >= 3 (the failures in a row that make a server look down) so that an
+            outage alone never turns a row into a failure record.
+        server_outage_timeout_s: how long an environment server may look down (its rows held back while a
+            probe checks it) before the run stops, resumable, with ``ServerOutageError``.
         shard_size: rows per shard, or None (automatic).
         num_workers: worker actors, or None (automatic).
         strict: refuse to publish metrics when work is left unfinished.
@@ -383,6 +390,8 @@ class RunSettings(BaseModel):
     route_failures_to_sidecar: bool = True
     retry_requests: bool = True
     max_rollout_attempts: int = Field(3, ge=1)
+    max_infra_retries: int = Field(10, ge=0)
+    server_outage_timeout_s: float = Field(300.0, gt=0)
     shard_size: int | None = Field(None, ge=1)
     num_workers: int | None = Field(None, ge=1)
     strict: bool = False

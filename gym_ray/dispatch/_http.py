@@ -66,7 +66,7 @@ def connection_error(
             f"the connection to {url} broke before a full reply after {attempts} attempt(s) ({cause}); "
             "the server may have crashed or dropped the request"
         )
-    return ServerConnectionError(what, url=url)
+    return ServerConnectionError(what, url=url, kind=kind if kind in ("connect", "timeout") else "broken")
 
 
 def parse_retry_after(value: str | None, now_s: float) -> float | None:

@@ -10,12 +10,19 @@ The hot path sends a row as it is (no copy) and logs nothing per row. A dispatch
 the budget, or with less time left than the drain margin (explicit, else the p75 of observed successful
 ``/run`` latencies once 5 exist), is not sent and resolves to
 :func:`~gym_ray.dispatch.outcomes.drained_result`.
+
+With a :class:`~gym_ray.dispatch.health.ServerHealth` (collection runs pass one), an infrastructure failure
+of ``/run`` (see :func:`~gym_ray.dispatch.health.is_infrastructure_failure`) is not a failure record: the
+row waits until its server is admitted again and is resent, up to ``max_infra_retries`` times; only then
+does the last error become its failure record. The semaphore is then taken per attempt, so a row waiting
+for a down server holds no slot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import json
 import math
 import time
@@ -27,6 +34,7 @@ from gym_ray import keys
 from gym_ray.config.topology import Topology
 from gym_ray.dispatch._completion import CompletionIterator
 from gym_ray.dispatch.client import ServerClient
+from gym_ray.dispatch.health import ServerHealth, is_infrastructure_failure
 from gym_ray.dispatch.outcomes import (
     CompletedRollout,
     RolloutFailureRecord,
@@ -36,7 +44,7 @@ from gym_ray.dispatch.outcomes import (
     is_expected_failure,
     is_materialized_row,
 )
-from gym_ray.errors import InputError, ServerResponseError
+from gym_ray.errors import InputError, ServerHTTPError, ServerResponseError
 
 if TYPE_CHECKING:
     from gym_ray.observe.tracing import Tracer
@@ -61,6 +69,9 @@ Shape = Literal["examples", "completed", "outcomes"]
 DRAIN_MARGIN_MIN_SAMPLES = 5
 #: Rows per round-robin window of ``interleave_by_agent`` (keeps memory bounded for any input size).
 INTERLEAVE_WINDOW = 4096
+#: Resends of one row after infrastructure failures of a server that still looked up (default).
+DEFAULT_MAX_INFRA_RETRIES = 10
+_INFRA_RETRY: Any = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,8 +255,13 @@ class _Dispatcher:
         environment_server_name: str | None,
         clock: Callable[[], float],
         tracer: Tracer | None = None,
+        health: ServerHealth | None = None,
+        max_infra_retries: int = DEFAULT_MAX_INFRA_RETRIES,
     ) -> None:
         self.client = client
+        self.health = health
+        self.max_infra_retries = max_infra_retries
+        self.infra_retries = 0
         self.tracer = tracer
         # Links to the job span current where the dispatch is built (none when off / per_rollout).
         self.trace_links = () if tracer is None else tracer.job_links()
@@ -280,7 +296,7 @@ class _Dispatcher:
 
     async def run(self, row: Row) -> tuple[Row, Any]:
         """One row's task body (the semaphore, when any, is held for the drain check and the request)."""
-        if self.semaphore is None:
+        if self.semaphore is None or self.health is not None:
             return await self._run(row)
         async with self.semaphore:
             return await self._run(row)
@@ -291,6 +307,23 @@ class _Dispatcher:
         return await self.tracer.trace_rollout(row, self.server_of(row)[0], self._run_row, self.trace_links)
 
     async def _run_row(self, row: Row) -> tuple[Row, Any]:
+        health = self.health
+        if health is None:
+            out: tuple[Row, Any] = await self._attempt(row, last=True)
+            return out
+        server, url, _ = self.server_of(row)
+        retries = 0
+        while True:
+            await health.admit(url, server)
+            slot = self.semaphore if self.semaphore is not None else contextlib.nullcontext()
+            async with slot:
+                out = await self._attempt(row, last=retries >= self.max_infra_retries)
+            if out is not _INFRA_RETRY:
+                return out
+            retries += 1
+            self.infra_retries += 1
+
+    async def _attempt(self, row: Row, *, last: bool) -> Any:
         server, url, impl = self.server_of(row)
         if self.deadline is not None:
             remaining = self.deadline - self.clock()
@@ -308,8 +341,17 @@ class _Dispatcher:
         except Exception as exc:
             if not is_expected_failure(exc):
                 raise
+            if self.health is not None:
+                if is_infrastructure_failure(exc, replay=self.retry_requests):
+                    self.health.failed(url, server, exc)
+                    if not last:
+                        return _INFRA_RETRY
+                elif isinstance(exc, ServerHTTPError | ServerResponseError):
+                    self.health.answered(url)
             return await self._failed(row, exc, server)
         elapsed = time.perf_counter() - started
+        if self.health is not None:
+            self.health.answered(url)
         if type(reply) is not dict:
             return await self._failed(
                 row,
@@ -399,6 +441,8 @@ def build_dispatcher(
     environment_server_name: str | None = None,
     clock: Callable[[], float] = time.monotonic,
     tracer: Tracer | None = None,
+    health: ServerHealth | None = None,
+    max_infra_retries: int = DEFAULT_MAX_INFRA_RETRIES,
 ) -> _Dispatcher:
     """The per-dispatch row runner (internal: used by :func:`dispatch` and the helper)."""
     for name, value in (("dispatch_budget_s", dispatch_budget_s), ("drain_margin_s", drain_margin_s)):
@@ -418,6 +462,8 @@ def build_dispatcher(
         environment_server_name=environment_server_name,
         clock=clock,
         tracer=tracer,
+        health=health,
+        max_infra_retries=max_infra_retries,
     )
 
 
@@ -437,6 +483,8 @@ def dispatch(
     interleave: bool = False,
     clock: Callable[[], float] = time.monotonic,
     tracer: Tracer | None = None,
+    health: ServerHealth | None = None,
+    max_infra_retries: int = DEFAULT_MAX_INFRA_RETRIES,
 ) -> DispatchIterator[Row, tuple[Row, CompletedRollout | RolloutFailureRecord]]:
     """Dispatch already-validated rows for collection; outcomes in completion order.
 
@@ -452,7 +500,10 @@ def dispatch(
     :func:`gym_ray.plan.preprocess.validate_rows`). With a ``tracer`` (:mod:`gym_ray.observe.tracing`) each
     row's
     dispatch is a root span of its own trace, linked to the job span current at this call, and ``/run``
-    carries W3C ``traceparent``; None (the default) adds nothing to the hot path.
+    carries W3C ``traceparent``; None (the default) adds nothing to the hot path. With ``health``, an
+    infrastructure failure is resent (up to ``max_infra_retries`` times) once the server is admitted again,
+    and a server down past its outage timeout raises :class:`~gym_ray.errors.ServerOutageError` in the
+    consumers of its rows (nothing is recorded for them).
 
     Raises:
         UsageError: ``max_resident_tasks`` < 1, or a negative budget / margin.
@@ -470,6 +521,8 @@ def dispatch(
         retry_requests=retry_requests,
         clock=clock,
         tracer=tracer,
+        health=health,
+        max_infra_retries=max_infra_retries,
     )
     source: Iterable[Row] = interleave_by_agent(rows) if interleave else rows
     it: DispatchIterator[Row, tuple[Row, CompletedRollout | RolloutFailureRecord]] = DispatchIterator(

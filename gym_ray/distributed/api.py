@@ -51,8 +51,10 @@ from gym_ray.distributed.worker import (
     WorkerTotals,
     worker_max_concurrency,
 )
-from gym_ray.errors import ConfigError, InternalError, NoProgressError, UsageError
+from gym_ray.errors import ConfigError, InternalError, NoProgressError, ServerOutageError, UsageError
 from gym_ray.observe.tracing import ATTR_RUN_ID, Tracer, current_traceparent, job_span, setup_tracing
+from gym_ray.record.outage_note import clear_outage, write_outage
+from gym_ray.record.run_lock import RunLock, sweep_leftovers
 
 if TYPE_CHECKING:
     from gym_ray.run.collect import RunResult, ShardSpec
@@ -452,6 +454,7 @@ async def acollect(
 
     Raises:
         ConfigError: Bad config or settings (before Ray starts).
+        RunLockError: Another run holds ``output_dir`` (before Ray starts).
         GymRayError: Planning or a shard failed; the run folder is resumable.
         CancelledError: Cancelled; the actors are stopped, the run folder is resumable.
     """
@@ -473,29 +476,39 @@ async def acollect(
     run_dir = str(Path(run_settings.output_dir))
     tracer = setup_tracing(run.tracing)
     show = sys.stderr.isatty() if progress is None else progress
+    lock = RunLock(run_dir, what="collect").acquire()  # before Ray starts: a busy folder is refused at once
     view = ProgressView(stream=sys.stderr, enabled=True) if show else None
     try:
+        sweep_leftovers(run_dir)  # temp folders of a killed run on this folder
         async with _ray_connection(address) as ray:
             workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
             rows_ref = ray.put([dict(row) for row in rows]) if rows is not None else None
             planner = functools.partial(plan_from_config, run, rows_ref, workers)
             with job_span(tracer, run_dir=run_dir) as span:
-                result = await run_actors(
-                    run,
-                    planner,
-                    run_dir=run_dir,
-                    num_workers=workers,
-                    started_at=started,
-                    traceparent=current_traceparent() if span is not None else None,
-                    on_progress=view,
-                )
+                try:
+                    result = await run_actors(
+                        run,
+                        planner,
+                        run_dir=run_dir,
+                        num_workers=workers,
+                        started_at=started,
+                        traceparent=current_traceparent() if span is not None else None,
+                        on_progress=view,
+                    )
+                except ServerOutageError as exc:
+                    write_outage(run_dir, exc)  # for `status`: why the run is unfinished
+                    raise
+                clear_outage(run_dir)
                 if span is not None:
                     span.set_attribute(ATTR_RUN_ID, result.run_id)
             return result
     finally:
-        await _flush(tracer)  # the job span is exported when collect returns or raises
-        if view is not None:
-            view.close()
+        try:
+            await _flush(tracer)  # the job span is exported when collect returns or raises
+        finally:
+            lock.release()
+            if view is not None:
+                view.close()
 
 
 async def _flush(tracer: Tracer | None) -> None:

@@ -96,6 +96,8 @@ class ProgressDisplay:
         self.done = 0
         self.failed = 0
         self.by_server: dict[str, tuple[int, float]] = {}
+        #: Appended to the line when not empty (server health: ``"calc_env down 12s"``).
+        self.note = ""
 
     def update(
         self,
@@ -141,7 +143,18 @@ class ProgressDisplay:
                 for name, (successes, reward_sum) in sorted(self.by_server.items())
             )
             line = f"{line} | {means}"
+        if self.note:
+            line = f"{line} | {self.note}"
         return line
+
+    def set_note(self, note: str) -> None:
+        """Show ``note`` at the end of the line from now on ("" removes it) and render at once."""
+        if note == self.note:
+            return
+        self.note = note
+        if self.enabled and not self._closed:
+            self._last_render = self._clock()
+            self._write(self.render(), final=False)
 
     def close(self) -> None:
         """Write the final line (when enabled). Idempotent."""

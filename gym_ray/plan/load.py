@@ -7,8 +7,10 @@ file and the 1-based line.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from gym_ray.errors import InputError
 from gym_ray.plan.rows import (
@@ -24,7 +26,49 @@ __all__ = ["MAX_LINE_BYTES", "load_jsonl"]
 MAX_LINE_BYTES = 64 * 1024 * 1024
 
 
-def load_jsonl(path: str | os.PathLike[str], *, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Row]:
+class _StrictJsonProblem(ValueError):
+    """A line that is JSON to Python but not to a strict JSON reader (raised inside the decoder)."""
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _StrictJsonProblem(
+                f"duplicate key {key!r} in one JSON object (a JSON reader keeps only one of the values); "
+                "remove or rename one of them"
+            )
+        seen.add(key)
+    return obj  # pragma: no cover - a shorter dict always has a repeated key
+
+
+def _refuse_constant(name: str) -> float:
+    raise _StrictJsonProblem(
+        f"non-finite number {name} (not JSON: servers refuse it); write null or a finite number"
+    )
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise _StrictJsonProblem(
+            f"number {text[:40]} overflows to infinity (not a finite JSON number); write a smaller number"
+        )
+    return value
+
+
+_STRICT_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_object, parse_constant=_refuse_constant, parse_float=_finite_float
+)
+_LENIENT_DECODER = json.JSONDecoder()
+
+
+def load_jsonl(
+    path: str | os.PathLike[str], *, max_line_bytes: int = MAX_LINE_BYTES, strict_json: bool = True
+) -> Iterator[Row]:
     """Stream the rows of a JSONL input file, checking each line as it is read.
 
     Every line must be one JSON object in UTF-8: a flat row with ``responses_create_params`` or a
@@ -34,13 +78,17 @@ def load_jsonl(path: str | os.PathLike[str], *, max_line_bytes: int = MAX_LINE_B
     Args:
         path: The JSONL file.
         max_line_bytes: Longest accepted line in bytes, without its newline (default 64 MiB).
+        strict_json: Refuse what Python's ``json`` accepts but JSON does not: a key twice in one object,
+            ``NaN`` / ``Infinity`` / ``-Infinity``, and numbers that overflow to infinity. ``False`` accepts
+            them (the last duplicate wins), as ``json.loads`` does.
 
     Yields:
         Each row, in file order.
 
     Raises:
-        InputError: The file is missing or unreadable, or a line is blank, malformed JSON, not an object,
-            not UTF-8, longer than ``max_line_bytes``, or not a valid row. The message and the error's
+        InputError: The file is missing or unreadable, or a line is blank, malformed JSON (duplicate keys
+            and non-finite numbers included, unless ``strict_json=False``), not an object, not UTF-8,
+            longer than ``max_line_bytes``, or not a valid row. The message and the error's
             ``path``/``line`` attributes give the file and the 1-based line. Raised while iterating, so a
             caller that dispatches only after it has read the whole input dispatches nothing.
 
@@ -48,6 +96,7 @@ def load_jsonl(path: str | os.PathLike[str], *, max_line_bytes: int = MAX_LINE_B
         >>> rows = list(load_jsonl("tasks.jsonl"))  # doctest: +SKIP
     """
     name = os.fspath(path)
+    decoder = _STRICT_DECODER if strict_json else _LENIENT_DECODER
     try:
         handle = open(name, "rb")  # closed by the with below
     except OSError as exc:
@@ -78,10 +127,12 @@ def load_jsonl(path: str | os.PathLike[str], *, max_line_bytes: int = MAX_LINE_B
             if not text.strip():
                 raise fail("blank line; every line must hold one JSON object (remove the blank line)")
             try:
-                row = json.loads(text)
+                row = decoder.decode(text)
             except json.JSONDecodeError as exc:
                 excerpt = text.strip()[:80]
                 raise fail(f"malformed JSON ({exc.msg} at column {exc.colno}): {excerpt!r}") from exc
+            except _StrictJsonProblem as exc:
+                raise fail(str(exc)) from exc
             problem = shape_problem(row)
             if problem is not None:
                 raise fail(f"the row {problem}")

@@ -30,9 +30,9 @@ from gym_ray import keys
 from gym_ray.errors import ConfigError, InputError, ResumeError
 from gym_ray.record.jsonl import JsonlReader
 from gym_ray.record.manifest import ShardManifest, read_manifest
-from gym_ray.record.shard_files import Identity, file_sha256, record_identity, shard_paths
+from gym_ray.record.shard_files import Identity, file_sha256, list_shards, record_identity, shard_paths
 
-__all__ = ["ResumePlan", "plan_resume"]
+__all__ = ["ResumePlan", "plan_resume", "verify_recorded_inputs"]
 
 
 @dataclass(frozen=True)
@@ -240,6 +240,37 @@ def plan_resume(
         manifest=manifest,
         _inputs_stamp=stamp,
     )
+
+
+def verify_recorded_inputs(run_dir: str | os.PathLike[str]) -> int:
+    """Check every shard's materialized inputs against the digest its manifest recorded.
+
+    Run before the first dispatch of a resume, so that a damaged or edited inputs file stops the run
+    before any row is sent, not when its shard's turn comes. Shards without a manifest or an inputs file
+    are left to :func:`plan_resume`.
+
+    Returns:
+        The number of shards verified.
+
+    Raises:
+        ResumeError: A shard's inputs file does not match its manifest (names the shard, file and digests).
+    """
+    verified = 0
+    for shard in list_shards(run_dir):
+        paths = shard_paths(run_dir, shard)
+        manifest = read_manifest(run_dir, shard)
+        if manifest is None or not paths.materialized_inputs.exists():
+            continue
+        digest = file_sha256(paths.materialized_inputs)
+        if digest != manifest.inputs_digest:
+            raise ResumeError(
+                f"shard {shard!r}: materialized inputs {paths.materialized_inputs} do not match the manifest "
+                f"(sha256 {manifest.inputs_digest[:12]}... recorded, {digest[:12]}... now): the file was "
+                "changed or damaged after planning, and nothing was sent. Restore it (for example from the "
+                "input file), or pass a new output_dir"
+            )
+        verified += 1
+    return verified
 
 
 def _check_manifest(

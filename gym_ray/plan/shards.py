@@ -40,6 +40,7 @@ from gym_ray.errors import GymRayError, ResumeError, UsageError
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan.load import load_jsonl
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
+from gym_ray.plan.resume import verify_recorded_inputs
 from gym_ray.plan.validation import validate_rows
 from gym_ray.record.atomic import atomic_write_bytes
 from gym_ray.record.manifest import ShardManifest
@@ -132,6 +133,7 @@ def _open_run(
                 f"{config_identity[:12]}...): servers, routing or sampling settings changed. Resume with the "
                 "config that started the run, or pass a new output_dir"
             )
+        verify_recorded_inputs(root)  # a resume: damaged inputs stop it before anything is dispatched
         run_id = str(existing["run_id"])
     return run_id or uuid.uuid4().hex[:12], existing
 

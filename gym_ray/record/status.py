@@ -37,6 +37,7 @@ from gym_ray.record.aggregate import (
     read_metrics_summary,
 )
 from gym_ray.record.jsonl import JsonlReader
+from gym_ray.record.outage_note import read_outage
 from gym_ray.record.shard_files import list_shards, record_identity, shard_paths
 
 __all__ = ["RunStatus", "ShardStatus", "aggregate_main", "format_status", "run_status", "status_main"]
@@ -108,6 +109,7 @@ class RunStatus(BaseModel):
     merged: bool
     aggregate_servers: int | None
     aggregate_failed: tuple[str, ...]
+    server_outage: str | None = None
 
     @property
     def complete(self) -> bool:
@@ -279,6 +281,19 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
         merged=(folder / "rollouts.jsonl").exists(),
         aggregate_servers=aggregate_servers,
         aggregate_failed=aggregate_failed,
+        server_outage=_outage_line(folder),
+    )
+
+
+def _outage_line(folder: Path) -> str | None:
+    note = read_outage(folder)
+    if note is None:
+        return None
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(note.get("stopped_at") or 0)))
+    return (
+        f"stopped at {stamp} UTC: environment server {note.get('server')!r} ({note.get('url')}) was down "
+        f"for {note.get('down_s')} s (server_outage_timeout_s); bring it back, then rerun on this folder to "
+        "resume"
     )
 
 
@@ -344,10 +359,15 @@ def format_status(status: RunStatus) -> str:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(status.updated_at))
         out.append(f"last update: {stamp} UTC")
     if status.corrupt_lines:
-        out.append(f"corrupt lines skipped: {status.corrupt_lines} (repaired when the shard is reopened)")
+        out.append(
+            f"corrupt lines: {status.corrupt_lines} (not counted above; a resume moves them to "
+            "<shard file>.quarantine and runs again the rollouts they held)"
+        )
     out.extend(
         f"shard {s.shard} cannot be resumed: {s.resume_error}" for s in status.shards if s.resume_error
     )
+    if status.server_outage is not None:
+        out.append(status.server_outage)
     out.append(f"merged: {'rollouts.jsonl' if status.merged else 'not yet'}")
     if status.aggregate_servers is None:
         out.append("aggregate metrics: not written")

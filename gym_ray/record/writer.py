@@ -28,7 +28,9 @@ Durability and concurrency promises:
   cache and survives a ``kill -9`` of any process.
 - **Checkpoints.** Files are fsynced every ``fsync_every`` records, on :meth:`~ShardWriter.checkpoint`
   and on :meth:`~ShardWriter.close`. A power loss can lose records after the last fsync and leave a torn
-  tail, which the next :meth:`~ShardWriter.open` repairs (see :mod:`gym_ray.record.jsonl`).
+  tail, which the next :meth:`~ShardWriter.open` repairs (see :mod:`gym_ray.record.jsonl`); corrupt lines
+  anywhere else are moved to a quarantine file by the same open (:mod:`gym_ray.record.quarantine`), so
+  their rollouts count as missing and run again.
 - **Fail, never retry.** A failed write or fsync raises :class:`~gym_ray.errors.ShardIOError` and fails
   the shard: later appends raise too and no fsync is attempted again (after a failed fsync the kernel may
   have dropped the dirty pages). Resume with a new writer once the cause is fixed.
@@ -59,6 +61,7 @@ from gym_ray.errors import ConfigError, ShardIOError, ShardLockError, UsageError
 from gym_ray.record.atomic import atomic_write_bytes, atomic_writer, fsync_dir
 from gym_ray.record.jsonl import JsonlReader, encode_line, repair_torn_tail
 from gym_ray.record.manifest import ShardManifest, ShardProgress
+from gym_ray.record.quarantine import quarantine_corrupt_lines
 from gym_ray.record.shard_files import (
     Identity,
     ShardLock,
@@ -444,6 +447,8 @@ class ShardWriter:
             repair_torn_tail(fd, label=str(path))
         finally:
             os.close(fd)
+        # Corrupt lines mid-file: moved to <file>.quarantine so the ledger clears and resume reruns them.
+        quarantine_corrupt_lines(path)
 
     def _seed_counts(self) -> None:
         for _, record in JsonlReader(self.paths.successes):

@@ -30,8 +30,9 @@ from gym_ray.config.settings import RunSettings
 from gym_ray.dispatch import latency
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.engine import dispatch
+from gym_ray.dispatch.health import ServerHealth, current_health, health_scope
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
-from gym_ray.errors import NoProgressError, RunRejectedError
+from gym_ray.errors import NoProgressError, RunRejectedError, ServerOutageError
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
 from gym_ray.observe.tracing import job_span, run_scope, setup_tracing
 from gym_ray.plan.resume import plan_resume
@@ -53,6 +54,8 @@ from gym_ray.record.aggregate import (
 from gym_ray.record.atomic import atomic_write_bytes
 from gym_ray.record.merge import merge_shards
 from gym_ray.record.nemo_layout import publish_nemo_gym_layout
+from gym_ray.record.outage_note import clear_outage, write_outage
+from gym_ray.record.run_lock import RunLock, sweep_leftovers
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error
 
@@ -157,7 +160,33 @@ async def run_shard(
     Raises:
         ShardLockError: A newer writer opened the shard while this call ran (this call is the zombie).
         ShardIOError: A write or fsync failed; the shard is failed and resumable.
+        ServerOutageError: An environment server looked down for ``server_outage_timeout_s``; nothing was
+            recorded for the rows it held back (resumable).
+
+    Infrastructure failures are resent on their own budget through the :class:`ServerHealth` made current
+    by :func:`run_shards` (or one of this call's own).
     """
+    health = current_health()
+    if health is not None:
+        return await _run_shard(spec, client, run, semaphore, on_outcome, worker, health)
+    async with health_for(run, client) as own:
+        return await _run_shard(spec, client, run, semaphore, on_outcome, worker, own)
+
+
+def health_for(run: RunConfig, client: ServerClient) -> ServerHealth:
+    """The server health tracker of one process, from the run's settings (probes go through ``client``)."""
+    return ServerHealth(client, outage_timeout_s=run.settings.server_outage_timeout_s)
+
+
+async def _run_shard(
+    spec: ShardSpec,
+    client: ServerClient,
+    run: RunConfig,
+    semaphore: asyncio.Semaphore | None,
+    on_outcome: OutcomeHook | None,
+    worker: str | None,
+    health: ServerHealth,
+) -> ShardReport:
     started = time.monotonic()
     settings = run.settings
     writer = ShardWriter(
@@ -190,12 +219,22 @@ async def run_shard(
             route_failures_to_sidecar=settings.route_failures_to_sidecar,
             retry_requests=settings.retry_requests,
             tracer=setup_tracing(run.tracing),  # None (no overhead) unless tracing.enabled
+            health=health,
+            max_infra_retries=settings.max_infra_retries,
         )
         stall_s = settings.no_progress_timeout_s
         loop = asyncio.get_running_loop()
+        unwatch = None
         try:
             async with asyncio.timeout_at(loop.time() + stall_s) as watchdog:
                 progress_due = loop.time() + PROGRESS_FILE_INTERVAL_S
+
+                # A down server's rows wait for its probe, bounded by server_outage_timeout_s instead.
+                def keep_alive() -> None:
+                    if not watchdog.expired():
+                        watchdog.reschedule(loop.time() + stall_s)
+
+                unwatch = health.watch(keep_alive)
                 async for row, outcome in completions:
                     watchdog.reschedule(loop.time() + stall_s)
                     record = record_of(row, outcome)
@@ -224,6 +263,8 @@ async def run_shard(
                 "(raise no_progress_timeout_s for rollouts that legitimately take longer)"
             ) from exc
         finally:
+            if unwatch is not None:
+                unwatch()
             await completions.aclose()
         writer.write_progress()
     finally:
@@ -258,6 +299,9 @@ async def run_shards(
 ) -> list[ShardReport]:
     """Run shards as ``next_spec`` hands them out until it returns None; the loop of one worker.
 
+    The lanes share one :class:`ServerHealth` (made current here unless the caller made one current): a
+    server that looks down holds back the rows of every lane until it is back.
+
     ``parallel_shards`` lanes pull shards and share one semaphore of ``max_resident_tasks`` requests, so
     the concurrency window stays full while one shard drains its tail and the next one starts. Live
     rollout tasks stay below ``parallel_shards * max_resident_tasks``.
@@ -280,6 +324,21 @@ async def run_shards(
     """
     run_one = shard_fn or run_shard
     semaphore = asyncio.Semaphore(run.settings.max_resident_tasks)
+    health = current_health()
+    if health is None:
+        async with health_for(run, client) as own:
+            with health_scope(own):
+                return await run_shards(
+                    next_spec,
+                    client=client,
+                    run=run,
+                    parallel_shards=parallel_shards,
+                    on_report=on_report,
+                    on_outcome=on_outcome,
+                    worker=worker,
+                    shard_fn=shard_fn,
+                    on_error=on_error,
+                )
     reports: list[ShardReport] = []
 
     async def lane() -> None:
@@ -459,9 +518,29 @@ async def acollect_local(
 
     Returns:
         The run result (paths, counts, key metrics per environment server).
+
+    Raises:
+        RunLockError: Another run holds ``output_dir`` (refused before planning or sending anything).
+        ServerOutageError: An environment server stayed down past ``server_outage_timeout_s`` (resumable).
     """
     started = time.monotonic()
     run = await resolve_run_config(config, overrides=overrides, settings=settings)
+    if run.settings.output_dir is None:
+        return await _collect_locked(run, rows, progress, started)
+    with RunLock(run.settings.output_dir, what="collect"):
+        sweep_leftovers(run.settings.output_dir)  # temp folders of a killed run on this folder
+        try:
+            result = await _collect_locked(run, rows, progress, started)
+        except ServerOutageError as exc:
+            write_outage(run.settings.output_dir, exc)  # for `status`: why the run is unfinished
+            raise
+        clear_outage(run.settings.output_dir)
+        return result
+
+
+async def _collect_locked(
+    run: RunConfig, rows: Iterable[Mapping[str, Any]] | None, progress: bool | None, started: float
+) -> RunResult:
     plan = await asyncio.to_thread(prepare_run, run, rows=rows)
     specs = iter(plan.shards)
 
@@ -476,12 +555,18 @@ async def acollect_local(
         with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
             async with client_for(run) as client:
                 with display:
-                    reports = await run_shards(
-                        next_spec,
-                        client=client,
-                        run=run,
-                        on_outcome=ProgressCounter(display) if display.enabled else None,
-                    )
+                    async with health_for(run, client) as health:
+                        unwatch = health.watch(lambda: display.set_note(health.summary()))
+                        try:
+                            with health_scope(health):
+                                reports = await run_shards(
+                                    next_spec,
+                                    client=client,
+                                    run=run,
+                                    on_outcome=ProgressCounter(display) if display.enabled else None,
+                                )
+                        finally:
+                            unwatch()
                 return await finalize_run(
                     plan,
                     reports,

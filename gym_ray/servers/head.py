@@ -1,8 +1,10 @@
 """The head server: publishes a deployment's global config and its server instances.
 
 Routes: ``GET /global_config_dict_yaml`` (a JSON *string* whose text is the YAML of the config, the
-NeMo Gym wire quirk), ``GET /server_instances`` (a list of ``{name, server_type, implementation, host,
-port, url, pid, process_name, start_time}``), ``GET /``, ``/livez`` (always ok) and ``/readyz``,
+NeMo Gym wire quirk; secret-looking values are redacted unless the request presents the head's token as
+``Authorization: Bearer <token>``, see :mod:`gym_ray.servers.redaction`), ``GET /server_instances`` (a
+list of ``{name, server_type, implementation, host, port, url, pid, process_name, start_time}``),
+``GET /``, ``/livez`` (always ok) and ``/readyz``,
 ``/healthz``, ``/health`` (503 ``{"status": "starting"}`` until ``mark_ready()``).
 
 Concurrency: mutated (``set_config``, ``mark_ready``) on the loop that serves it.
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import yaml
@@ -20,6 +22,7 @@ from aiohttp import web
 
 from gym_ray import keys
 from gym_ray.servers import _web
+from gym_ray.servers.redaction import DEFAULT_SECRET_PATTERNS, bearer_matches, redact
 
 
 def config_yaml(config: Mapping[str, Any]) -> str:
@@ -60,11 +63,27 @@ def server_instances(
 
 
 class HeadServer:
-    """Serves one config. Not ready until ``mark_ready()``."""
+    """Serves one config. Not ready until ``mark_ready()``.
 
-    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+    Args:
+        config: the config to publish (``set_config`` replaces it).
+        token: the token a client presents (``Authorization: Bearer <token>``) to see secret values;
+            None: secret values are always redacted.
+        secret_patterns: key patterns whose values are secret (see :mod:`gym_ray.servers.redaction`).
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any] | None = None,
+        *,
+        token: str | None = None,
+        secret_patterns: Iterable[str] = DEFAULT_SECRET_PATTERNS,
+    ) -> None:
+        self.token = token
+        self._patterns = tuple(secret_patterns)
         self._config: dict[str, Any] = dict(config or {})
         self._yaml = config_yaml(self._config)
+        self._public_yaml = config_yaml(redact(self._config, self._patterns))
         self._ready = False
         self._start_time = time.time()
 
@@ -77,6 +96,7 @@ class HeadServer:
         """Publish ``config`` (the YAML text is rendered once, here)."""
         self._config = dict(config)
         self._yaml = config_yaml(self._config)
+        self._public_yaml = config_yaml(redact(self._config, self._patterns))
 
     def mark_ready(self) -> None:
         """Make ``/readyz`` answer 200."""
@@ -91,7 +111,9 @@ class HeadServer:
         return app
 
     async def _handle_config(self, request: web.Request) -> web.Response:
-        return web.json_response(self._yaml)
+        if bearer_matches(request.headers.get("Authorization"), self.token):
+            return web.json_response(self._yaml)
+        return web.json_response(self._public_yaml)
 
     async def _handle_instances(self, request: web.Request) -> web.Response:
         return web.json_response(server_instances(self._config, start_time=self._start_time))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import os
+import secrets
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -31,6 +33,7 @@ from gym_ray.servers import _web
 from gym_ray.servers.example_env import ExampleEnvServer
 from gym_ray.servers.example_resources import ExampleResourcesServer
 from gym_ray.servers.head import HeadServer
+from gym_ray.servers.redaction import DEFAULT_SECRET_PATTERNS, TOKEN_ENV, is_loopback
 from gym_ray.servers.stats import ServerStats
 
 #: server type -> implementation keys this package can serve.
@@ -58,7 +61,11 @@ class Deployment:
         self.head_url = ""
         self.servers: dict[str, ReferenceServer] = {}
         self.head = HeadServer()
+        self.head_token: str | None = None
+        self.token_generated = False
         self._runners: list[web.AppRunner] = []
+        # name -> (its runner, or None while stopped; the interface and port it listens on)
+        self._sites: dict[str, tuple[web.AppRunner | None, str, int]] = {}
 
     def url_of(self, name: str) -> str:
         """``http://host:port`` of instance ``name`` (reference or not).
@@ -92,6 +99,33 @@ class Deployment:
                 f"{name!r} is an {type(server).__name__}; only example_env has a policy", key=name
             )
         server.policy.skill = skill
+
+    async def stop_server(self, name: str) -> None:
+        """Stop serving reference instance ``name``: its port refuses connections until
+        :meth:`restart_server`. A test tool for outages (its counters are kept).
+
+        Raises:
+            ConfigError: ``name`` is not a reference server of this deployment, or is already stopped.
+        """
+        self._server(name)
+        runner, host, port = self._sites[name]
+        if runner is None:
+            raise ConfigError(f"reference server {name!r} is already stopped", key=name)
+        self._runners.remove(runner)
+        self._sites[name] = (None, host, port)
+        await runner.cleanup()
+
+    async def restart_server(self, name: str) -> None:
+        """Serve reference instance ``name`` again on the same interface and port after :meth:`stop_server`.
+
+        Raises:
+            ConfigError: ``name`` is not a stopped reference server, or its port is taken meanwhile.
+        """
+        server = self._server(name)
+        runner, host, port = self._sites[name]
+        if runner is not None:
+            raise ConfigError(f"reference server {name!r} is running; stop_server() it first", key=name)
+        await self._bind(server.make_app(), host, port, what=name)
 
     def _server(self, name: str) -> ReferenceServer:
         try:
@@ -140,7 +174,9 @@ class Deployment:
                 "free the port or use port 0",
                 key=f"{what}.port",
             ) from exc
-        return _web.bound_port(runner)
+        bound = _web.bound_port(runner)
+        self._sites[what] = (runner, host, bound)
+        return bound
 
     async def _stop(self) -> None:
         runners, self._runners = self._runners, []
@@ -150,7 +186,12 @@ class Deployment:
 
 @asynccontextmanager
 async def serve_config(
-    cfg: Mapping[str, Any], *, host: str = "127.0.0.1", advertise_host: str | None = None
+    cfg: Mapping[str, Any],
+    *,
+    host: str = "127.0.0.1",
+    advertise_host: str | None = None,
+    token: str | None = None,
+    secret_patterns: Sequence[str] | None = None,
 ) -> AsyncIterator[Deployment]:
     """Serve every reference instance of ``cfg`` and a head server until the context exits.
 
@@ -159,6 +200,11 @@ async def serve_config(
         host: interface to bind every server to.
         advertise_host: host written into the config copy; default ``host`` (use a routable address
             when binding ``0.0.0.0``).
+        token: the head server's token: a client presenting ``Authorization: Bearer <token>`` sees the
+            config's secret values; others see them redacted. Binding a non-loopback ``host`` without a
+            token generates one (``deployment.head_token``, ``deployment.token_generated``).
+        secret_patterns: key patterns whose values are secret; default ``head_server.secret_patterns``
+            of the config, else :data:`gym_ray.servers.redaction.DEFAULT_SECRET_PATTERNS`.
 
     Yields:
         The ``Deployment``: rewritten ``config``, ``head_url``, ``url_of``, ``stats``, ``reset_stats``,
@@ -173,6 +219,14 @@ async def serve_config(
         ...         print(deployment.head_url, deployment.url_of("arith_env"))
     """
     deployment = Deployment(plain_config(cfg))
+    if secret_patterns is None:
+        head_cfg = deployment.config.get(keys.HEAD_SERVER)
+        listed = head_cfg.get("secret_patterns") if isinstance(head_cfg, Mapping) else None
+        secret_patterns = [str(p) for p in listed] if isinstance(listed, list) else DEFAULT_SECRET_PATTERNS
+    if token is None and not is_loopback(host):
+        token, deployment.token_generated = secrets.token_urlsafe(32), True
+    deployment.head = HeadServer(token=token, secret_patterns=secret_patterns)
+    deployment.head_token = token
     try:
         await deployment._start(host, advertise_host or host)
         yield deployment
@@ -233,6 +287,16 @@ class ThreadedDeployment:
         """See ``Deployment.set_skill``."""
         deployment = self._live()
         self._on_loop(lambda: deployment.set_skill(name, skill))
+
+    def stop_server(self, name: str) -> None:
+        """See ``Deployment.stop_server`` (runs on the servers' loop)."""
+        future = asyncio.run_coroutine_threadsafe(self._live().stop_server(name), self._loop)
+        future.result(timeout=30.0)
+
+    def restart_server(self, name: str) -> None:
+        """See ``Deployment.restart_server`` (runs on the servers' loop)."""
+        future = asyncio.run_coroutine_threadsafe(self._live().restart_server(name), self._loop)
+        future.result(timeout=30.0)
 
     def close(self) -> None:
         """Stop the servers and join the thread."""
@@ -327,27 +391,42 @@ def load_config_files(paths: Sequence[str], overrides: Sequence[str] = ()) -> di
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    """``gym-ray serve CONFIG... [key=value...]``: serve until Ctrl-C or SIGTERM, then exit 0."""
+    """``gym-ray serve CONFIG... [key=value...]``: serve until Ctrl-C or SIGTERM, then exit 0.
+
+    The head server's token is ``$GYM_RAY_HEAD_TOKEN``; binding a non-loopback ``--host`` without it
+    generates one and prints it once (secret config values are served only to requests presenting it).
+    """
     items: list[str] = list(args.config)
     paths = [i for i in items if "=" not in i]
     overrides = [i for i in items if "=" in i]
     if not paths:
         raise ConfigError("gym-ray serve needs at least one YAML config file")
     cfg = load_config_files(paths, overrides)
-    asyncio.run(_serve_until_signal(cfg, host=args.host, advertise_host=args.advertise_host))
+    token = os.environ.get(TOKEN_ENV) or None
+    asyncio.run(_serve_until_signal(cfg, host=args.host, advertise_host=args.advertise_host, token=token))
     return 0
 
 
-async def _serve_until_signal(cfg: dict[str, Any], *, host: str, advertise_host: str | None) -> None:
+async def _serve_until_signal(
+    cfg: dict[str, Any], *, host: str, advertise_host: str | None, token: str | None = None
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        async with serve_config(cfg, host=host, advertise_host=advertise_host) as deployment:
+        async with serve_config(cfg, host=host, advertise_host=advertise_host, token=token) as deployment:
             for name, server in deployment.servers.items():
                 print(f"{name} ({server.server_type}): {deployment.url_of(name)}", flush=True)
             print(f"head server: {deployment.head_url}", flush=True)
+            if deployment.token_generated:
+                # The one place the token is shown: the operator needs it to read secret values.
+                print(
+                    f"head server token (generated; {host} is not loopback, so secret config values are "
+                    f"served only with 'Authorization: Bearer <token>'; set {TOKEN_ENV} to choose it): "
+                    f"{deployment.head_token}",
+                    flush=True,
+                )
             await stop.wait()
             print("stopping", flush=True)
     finally:

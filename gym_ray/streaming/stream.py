@@ -51,6 +51,7 @@ from typing import Any
 from gym_ray import keys
 from gym_ray.errors import NoProgressError, UsageError
 from gym_ray.record.recorded import recorded_keys
+from gym_ray.record.run_lock import RunLock
 from gym_ray.streaming.row_feed import aiter_rows, stamp_rows
 from gym_ray.streaming.worker import (
     STREAM_WORKER_MAX_CONCURRENCY,
@@ -164,6 +165,7 @@ class RolloutStream:
         self.run_id = run_id or uuid.uuid4().hex
         self._state = "new"  # new -> running -> closed
         self._owns_ray = False
+        self._lock: RunLock | None = None
         self._topology: Any = None
         self._slots: list[_Slot] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -210,6 +212,7 @@ class RolloutStream:
         Raises:
             UsageError: The stream is closed.
             ConfigError: The config is bad (before Ray starts).
+            RunLockError: Another run holds ``record_dir`` (before Ray starts).
         """
         async with self._start_lock:
             if self._state in ("closing", "closed"):
@@ -280,6 +283,8 @@ class RolloutStream:
 
         from gym_ray.config.run_config import resolve_run_config
 
+        if self._record_dir is not None:  # one run per folder: refused before anything starts
+            self._lock = RunLock(self._record_dir, what="stream").acquire()
         self._topology = (await resolve_run_config(self._config)).topology
         if not ray.is_initialized():
             from gym_ray.distributed.placement import ray_init_kwargs
@@ -398,6 +403,9 @@ class RolloutStream:
             self._ready.clear()
             self._partial.clear()
             self._buffered = 0
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
             if self._owns_ray:
                 self._owns_ray = False
                 await asyncio.to_thread(ray.shutdown)

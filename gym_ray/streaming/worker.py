@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gym_ray import keys
+from gym_ray.dispatch.health import ServerHealth
 from gym_ray.dispatch.outcomes import CompletedRollout, RolloutFailureRecord, build_record
 from gym_ray.errors import GymRayError, InternalError
 
@@ -148,6 +149,7 @@ class StreamWorker:
         self._ended = asyncio.Event()
         self._started = False
         self._error: GymRayError | None = None
+        self._health: ServerHealth | None = None
         self._segments: set[asyncio.Task[None]] = set()
 
     def pid(self) -> int:
@@ -283,13 +285,18 @@ class StreamWorker:
                     config_identity=topology.identity_digest(),
                 ).open()
             try:
-                async with ServerClient(
-                    topology,
-                    max_connections=self._max_in_flight,
-                    connect_timeout_s=self._connect_timeout_s,
-                    request_timeout_s=self._request_timeout_s,
-                    retry_requests=self._retry_requests,
-                ) as client:
+                async with (
+                    ServerClient(
+                        topology,
+                        max_connections=self._max_in_flight,
+                        connect_timeout_s=self._connect_timeout_s,
+                        request_timeout_s=self._request_timeout_s,
+                        retry_requests=self._retry_requests,
+                    ) as client,
+                    ServerHealth(client) as health,
+                ):
+                    # infrastructure failures are resent and a down server's rows wait (see ServerHealth)
+                    self._health = health
                     async with asyncio.TaskGroup() as group:
                         admit = group.create_task(self._admit(group, client, topology, writer))
                         await self._stop.wait()
@@ -340,6 +347,7 @@ class StreamWorker:
             max_resident_tasks=len(batch),
             route_failures_to_sidecar=True,
             retry_requests=self._retry_requests,
+            health=self._health,
         )
         try:
             async for row, outcome in completions:

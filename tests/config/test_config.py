@@ -365,6 +365,8 @@ def test_run_settings_defaults() -> None:
         "route_failures_to_sidecar": True,
         "retry_requests": True,
         "max_rollout_attempts": 3,
+        "max_infra_retries": 10,
+        "server_outage_timeout_s": 300.0,
         "shard_size": None,
         "num_workers": None,
         "strict": False,

@@ -169,7 +169,8 @@ def test_run_status_counts_a_partial_run(tmp_path: Path) -> None:
             "resume would run: 2 rollout(s) (1 with earlier failed attempts)",
             "rate: 0.27 attempts/s; ETA 8s",
             "last update: 1970-01-01 00:17:10 UTC",
-            "corrupt lines skipped: 1 (repaired when the shard is reopened)",
+            "corrupt lines: 1 (not counted above; a resume moves them to <shard file>.quarantine and runs "
+            "again the rollouts they held)",
             f"shard s2 cannot be resumed: {s2.resume_error}",
             "merged: not yet",
             "aggregate metrics: not written",

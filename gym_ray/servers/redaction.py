@@ -1,0 +1,77 @@
+"""Secrets in a published config: which keys are secret, how they are hidden, who may see them.
+
+The head server publishes the whole global config (``/global_config_dict_yaml``). Values under keys that
+look secret (:data:`DEFAULT_SECRET_PATTERNS`, matched case-insensitively against every key at any depth,
+shell-style) are replaced by :data:`REDACTED` unless the request presents the head server's token as
+``Authorization: Bearer <token>``. A head server bound to a non-loopback interface always has a token
+(given, or generated and printed by ``gym-ray serve``); without a token nobody sees the secrets.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hmac
+import ipaddress
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "DEFAULT_SECRET_PATTERNS",
+    "REDACTED",
+    "TOKEN_ENV",
+    "bearer_matches",
+    "is_loopback",
+    "is_secret_key",
+    "redact",
+]
+
+#: Key patterns whose values are secret (``fnmatch``, case-insensitive).
+DEFAULT_SECRET_PATTERNS: tuple[str, ...] = ("*api_key*", "*apikey*", "*token*", "*password*", "*secret*")
+#: What a secret value is replaced with.
+REDACTED = "<redacted>"
+#: Environment variable ``gym-ray serve`` reads the head server's token from.
+TOKEN_ENV = "GYM_RAY_HEAD_TOKEN"
+
+
+def is_secret_key(key: object, patterns: Iterable[str] = DEFAULT_SECRET_PATTERNS) -> bool:
+    """True when the key's text matches one of ``patterns`` (case-insensitive)."""
+    text = str(key).lower()
+    return any(fnmatch.fnmatchcase(text, pattern.lower()) for pattern in patterns)
+
+
+def redact(value: Any, patterns: Iterable[str] = DEFAULT_SECRET_PATTERNS) -> Any:
+    """A copy of ``value`` with the value of every secret-looking key replaced by :data:`REDACTED`.
+
+    A secret key's whole value is replaced, nested mappings and lists included; ``None`` stays ``None``
+    (there is nothing to hide, and it shows the key is unset).
+    """
+    patterns = tuple(patterns)
+    if isinstance(value, Mapping):
+        return {
+            k: (REDACTED if v is not None and is_secret_key(k, patterns) else redact(v, patterns))
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [redact(v, patterns) for v in value]
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (``127.0.0.0/8``, ``::1``); False for ``0.0.0.0``,
+    ``::``, names and routable addresses."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bearer_matches(authorization: str | None, token: str | None) -> bool:
+    """True when an ``Authorization`` header value is ``Bearer <token>`` (constant-time compare)."""
+    if not token or not authorization:
+        return False
+    scheme, _, presented = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(presented.strip().encode(), token.encode())

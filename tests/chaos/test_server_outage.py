@@ -1,0 +1,214 @@
+"""R15/R16: an environment server goes down mid-run.
+
+Down shorter than ``server_outage_timeout_s``: its rows wait (no failure record, no rollout attempt spent),
+a probe finds it back, the run completes with the ledger at 0. Down longer: the run stops with
+``ServerOutageError`` naming the server, records nothing for the rows it held back, and a rerun completes.
+The reference servers are real (127.0.0.1); the outage is a real stop and restart on the same port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gym_ray.distributed.api import acollect
+from gym_ray.errors import ServerOutageError
+from gym_ray.record.ledger import check_run
+from gym_ray.record.status import format_status, run_status
+from gym_ray.run.collect import acollect_local
+from gym_ray.servers import serve_config, start_in_thread
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _config(latency_ms: int) -> dict[str, Any]:
+    return {
+        "head_server": {"host": "127.0.0.1", "port": 0},
+        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
+        "calc_env": {
+            "environment_servers": {
+                "example_env": {
+                    "host": "127.0.0.1",
+                    "port": 0,
+                    "seed": 3,
+                    "latency_ms": latency_ms,
+                    "latency_jitter_ms": 0,
+                    "agent_server": {"type": "responses_api_agents", "name": "calc_agent"},
+                }
+            }
+        },
+    }
+
+
+def _rows(n: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
+            "expected_answer": str(i + 1),
+            "agent_ref": {"name": "calc_agent"},
+        }
+        for i in range(n)
+    ]
+
+
+async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def _failure_lines(out: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in out.glob("rollouts-*_failures.jsonl"))
+
+
+def print_figures(name: str, **figures: Any) -> None:
+    print(f"[chaos {name}] " + " ".join(f"{k}={v}" for k, v in figures.items()))
+
+
+async def _outage_run(
+    tmp_path: Path, outage_s: float, rows: int, capsys: pytest.CaptureFixture[str] | None = None
+) -> None:
+    async with serve_config(_config(latency_ms=5)) as dep:
+        out = tmp_path / "run"
+        run = asyncio.create_task(
+            acollect_local(
+                dep.config,
+                rows=_rows(rows),
+                output_dir=str(out),
+                shard_size=100,
+                max_resident_tasks=16,
+                server_outage_timeout_s=120.0,
+                progress=capsys is not None,
+            )
+        )
+        try:
+            await _until(lambda: dep.stats("calc_env").requests >= rows // 4, "a quarter of the rows")
+            await dep.stop_server("calc_env")
+            stopped = time.monotonic()
+            await asyncio.sleep(outage_s)  # the length of the outage (the fault itself)
+            await dep.restart_server("calc_env")
+            result = await run
+        finally:
+            run.cancel()
+        report = check_run(out)
+        print_figures(
+            f"R15 outage {outage_s:g}s",
+            failure_records=_failure_lines(out),
+            succeeded=result.succeeded,
+            lost=report.lost,
+            missing=report.missing,
+            duplicates=report.duplicates,
+            corrupt=report.corrupt_lines,
+            recovered_after_s=round(time.monotonic() - stopped, 1),
+            requests=dep.stats("calc_env").requests,
+        )
+        assert (result.planned, result.succeeded, result.failed) == (rows, rows, 0)
+        assert _failure_lines(out) == 0
+        assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
+        assert report.ok
+    if capsys is not None:  # the progress lines showed the outage while it lasted, and its end
+        lines = capsys.readouterr().err.splitlines()
+        assert any(re.search(r" \| calc_env down \d+s$", line) for line in lines)
+        assert lines[-1].startswith(f"{rows}/{rows} (100.0%)")
+        assert "down" not in lines[-1]
+
+
+async def test_a_short_server_outage_mid_run_costs_no_failure_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await _outage_run(tmp_path, outage_s=3.0, rows=300, capsys=capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("GYM_RAY_SLOW_TESTS"), reason="20 s outage; set GYM_RAY_SLOW_TESTS=1")
+async def test_a_twenty_second_server_outage_mid_run_costs_no_failure_record(tmp_path: Path) -> None:
+    await _outage_run(tmp_path, outage_s=20.0, rows=600)
+
+
+async def test_a_server_down_past_the_timeout_stops_the_run_resumable(tmp_path: Path) -> None:
+    async with serve_config(_config(latency_ms=5)) as dep:
+        out = tmp_path / "run"
+        settings: dict[str, Any] = {"shard_size": 50, "max_resident_tasks": 8, "server_outage_timeout_s": 2.0}
+        run = asyncio.create_task(
+            acollect_local(dep.config, rows=_rows(200), output_dir=str(out), **settings)
+        )
+        try:
+            await _until(lambda: dep.stats("calc_env").requests >= 40, "40 requests")
+            await dep.stop_server("calc_env")
+            with pytest.raises(
+                ServerOutageError, match=r"environment server 'calc_env' \(http://127\.0\.0\.1:\d+\)"
+            ):
+                await run
+        finally:
+            run.cancel()
+        assert _failure_lines(out) == 0
+        partial = check_run(out)
+        assert (partial.lost, partial.duplicates, partial.corrupt_lines) == (0, 0, 0)
+        recorded_before = 200 - partial.missing
+        assert 0 < recorded_before < 200
+        assert not (out / "rollouts.jsonl").exists()  # the run never finalized
+        text = format_status(run_status(out))
+        assert f"{200 - recorded_before} rollout(s) pending" in text
+        assert re.search(
+            r"\nstopped at [0-9: -]+ UTC: environment server 'calc_env' \(http://127\.0\.0\.1:\d+\) was "
+            r"down for [0-9.]+ s \(server_outage_timeout_s\); bring it back, then rerun on this folder to "
+            r"resume\n",
+            text,
+        )
+
+        await dep.restart_server("calc_env")
+        result = await acollect_local(dep.config, rows=_rows(200), output_dir=str(out), **settings)
+        report = check_run(out)
+        print_figures(
+            "R16 outage past timeout",
+            recorded_before=recorded_before,
+            resumed=result.dispatched,
+            failure_records=_failure_lines(out),
+            lost=report.lost,
+            missing=report.missing,
+            duplicates=report.duplicates,
+        )
+        assert (result.succeeded, result.failed, result.dispatched) == (200, 0, 200 - recorded_before)
+        assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
+        rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+        assert len(rollouts) == 200
+        assert "stopped at" not in format_status(run_status(out))
+
+
+@pytest.mark.ray
+async def test_a_distributed_run_stops_with_server_outage_error_and_a_rerun_completes(
+    ray_session: Any, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    settings: dict[str, Any] = {"shard_size": 40, "max_resident_tasks": 8, "server_outage_timeout_s": 2.0}
+    with start_in_thread(_config(latency_ms=5)) as servers:
+        run = asyncio.create_task(
+            acollect(servers.config, rows=_rows(200), output_dir=str(out), num_workers=1, **settings)
+        )
+        try:
+            await _until(lambda: servers.stats("calc_env").requests >= 40, "40 requests", timeout_s=120)
+            await asyncio.to_thread(servers.stop_server, "calc_env")
+            with pytest.raises(
+                ServerOutageError, match=r"environment server 'calc_env' \(http://127\.0\.0\.1"
+            ):
+                await run
+        finally:
+            run.cancel()
+        assert _failure_lines(out) == 0
+        await asyncio.to_thread(servers.restart_server, "calc_env")
+        result = await acollect(
+            servers.config, rows=_rows(200), output_dir=str(out), num_workers=1, **settings
+        )
+    report = check_run(out)
+    assert (result.succeeded, result.failed) == (200, 0)
+    assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
