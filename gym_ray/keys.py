@@ -156,6 +156,9 @@ class FailureClass:
 #: HTTP statuses that mean "the request did not reach a working server" (agent_request_failed).
 GATEWAY_STATUSES: Final = frozenset({429, 502, 503, 504})
 
+#: What a head server publishes in place of a secret value (a client without the head's token sees this).
+REDACTED: Final = "<redacted>"
+
 #: Rollout id pattern for an explicit ``_ng_rollout_id``.
 ROLLOUT_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 

@@ -222,10 +222,22 @@ def _check_agrees(name: str, local: Any, head: Any) -> None:
     for field, value in mine[2].items():
         if field in ("host", "port") or field not in theirs[2]:
             continue
-        if theirs[2][field] != value:
+        if not _agrees(value, theirs[2][field]):
             path = f"{name}.{mine[0]}.{mine[1]}.{field}"
             raise ConfigError(
                 f"config key '{path}' is {value!r} in the run's config but {theirs[2][field]!r} on the head "
                 "server; the running deployment is the truth: drop the local value or make it agree",
                 key=path,
             )
+
+
+def _agrees(local: Any, head: Any) -> bool:
+    """Equal, where a value the head redacted (it hides secrets from clients without its token) agrees
+    with whatever the run's config holds there."""
+    if head == keys.REDACTED:
+        return True
+    if isinstance(local, Mapping) and isinstance(head, Mapping):
+        return local.keys() == head.keys() and all(_agrees(local[k], head[k]) for k in local)
+    if isinstance(local, list) and isinstance(head, list):
+        return len(local) == len(head) and all(_agrees(a, b) for a, b in zip(local, head, strict=True))
+    return bool(local == head)

@@ -15,6 +15,8 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from gym_ray import keys
+
 __all__ = [
     "DEFAULT_SECRET_PATTERNS",
     "REDACTED",
@@ -27,8 +29,8 @@ __all__ = [
 
 #: Key patterns whose values are secret (``fnmatch``, case-insensitive).
 DEFAULT_SECRET_PATTERNS: tuple[str, ...] = ("*api_key*", "*apikey*", "*token*", "*password*", "*secret*")
-#: What a secret value is replaced with.
-REDACTED = "<redacted>"
+#: What a secret value is replaced with (the protocol's marker, :data:`gym_ray.keys.REDACTED`).
+REDACTED = keys.REDACTED
 #: Environment variable ``gym-ray serve`` reads the head server's token from.
 TOKEN_ENV = "GYM_RAY_HEAD_TOKEN"
 

@@ -106,6 +106,10 @@ async def test_nothing_a_run_writes_contains_a_seeded_secret(
     caplog.set_level(logging.DEBUG)
     async with serve_config(_seeded_config()) as dep:
         cfg = copy.deepcopy(dep.config)
+        # As in NeMo Gym configs, the top-level secrets are what server fields interpolate (a run's config
+        # holds no key that is neither a setting, a server nor an interpolation's target).
+        fields = cfg["calc_env"]["environment_servers"]["example_env"]
+        fields["policy_key"], fields["db_password"] = "${policy_api_key}", "${database.Password}"
         cfg["tracing"] = {"enabled": True, "exporter": "file", "file_path": str(spans)}
         result = await acollect_local(cfg, rows=_rows(20), output_dir=str(out), progress=True)
     assert result.succeeded == 20

@@ -65,3 +65,18 @@ async def test_a_head_only_config_is_completed_from_the_head_and_its_own_keys_wi
     assert run.topology.environment_servers() == ("arith_env", "arith_env_hard")
     assert (run.settings.num_repeats, run.settings.output_dir) == (5, "runs/x")
     assert await resolve_run_config(run) is run
+
+
+def test_a_value_the_head_redacted_agrees_with_the_runs_own_secret() -> None:
+    from gym_ray import keys
+    from gym_ray.config.run_config import overlay_on_head
+
+    def env(judge: dict[str, Any]) -> dict[str, Any]:
+        return {"environment_servers": {"example_env": {"host": "h", "port": 1, "judge": judge}}}
+
+    head = {"calc_env": env({"auth_token": keys.REDACTED, "model": "judge-1"})}
+    local = {"calc_env": env({"auth_token": "sk-real", "model": "judge-1"}), "num_repeats": 2}
+    merged = overlay_on_head(head, local)
+    assert merged == {"calc_env": head["calc_env"], "num_repeats": 2}  # the head's block: the truth
+    with pytest.raises(ConfigError, match=r"calc_env\.environment_servers\.example_env\.judge"):
+        overlay_on_head(head, {"calc_env": env({"auth_token": "sk-real", "model": "judge-2"})})
