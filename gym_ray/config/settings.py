@@ -251,6 +251,10 @@ class RunSettings(BaseModel):
         strict: refuse to publish metrics when work is left unfinished.
         no_progress_timeout_s: fail the run when nothing finished for this long.
         seed: run seed, or None.
+        health_check: before anything starts, probe every environment server the config routes to
+            (``GET /``) and refuse the run when one is unreachable or unhealthy.
+        max_failed_fraction: failed rows (of the planned rows) a run may end with and still count as
+            complete (exit status 0); 0.0 = none.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
@@ -278,6 +282,8 @@ class RunSettings(BaseModel):
     strict: bool = False
     no_progress_timeout_s: float = Field(600.0, gt=0)
     seed: int | None = None
+    health_check: bool = True
+    max_failed_fraction: float = Field(0.0, ge=0.0, le=1.0)
 
     @model_validator(mode="before")
     @classmethod

@@ -51,9 +51,12 @@ from gym_ray.distributed.worker import (
     WorkerTotals,
     worker_max_concurrency,
 )
-from gym_ray.errors import ConfigError, InternalError, NoProgressError, UsageError
+from gym_ray.errors import ActorLostError, InternalError, NoProgressError, UsageError
 from gym_ray.observe.progress import ProgressDisplay
 from gym_ray.observe.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing
+from gym_ray.run.collect import incomplete_error
+from gym_ray.run.preflight import preflight
+from gym_ray.run.signals import run_until_signal
 
 if TYPE_CHECKING:
     from gym_ray.run.collect import RunResult, ShardSpec
@@ -235,6 +238,9 @@ async def run_actors(
                 try:
                     actors.totals[worker_id] = call.result()
                 except ray.exceptions.RayActorError as exc:
+                    # A worker's run() also fails when the driver or coordinator it talks to died:
+                    # name that actor instead of blaming (and replacing) the workers.
+                    await _raise_if_run_actor_lost(actors, run_dir)
                     actors.lost.append(worker_id)
                     requeued = await driver.worker_lost.remote(worker_id)
                     logger.warning(
@@ -274,9 +280,46 @@ async def run_actors(
         )
         finished = True
         return result
+    except ray.exceptions.RayActorError:
+        await _raise_if_run_actor_lost(actors, run_dir)
+        raise
     finally:
         await _stop_poller(poller)
         await _teardown(actors, runs, refs, graceful=finished, grace_s=cancel_grace_s)
+
+
+#: Seconds a liveness probe of the driver or coordinator may take before the actor counts as alive (busy).
+_PROBE_S = 30.0
+_ROLES = (("driver", "ShardDriver"), ("coordinator", "RunCoordinator"))
+
+
+async def _raise_if_run_actor_lost(actors: RunActors, run_dir: str) -> None:
+    """Raise :class:`ActorLostError` naming the driver or coordinator when one of them died."""
+    import ray
+
+    for role, name in _ROLES:
+        handle = actors.driver if role == "driver" else actors.coordinator
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(handle.pid.remote().future()), _PROBE_S)
+        except ray.exceptions.RayActorError as exc:
+            reason = (str(exc).strip().splitlines() or ["no reason given"])[0]
+            raise ActorLostError(
+                f"the run's {role} actor ({name}) died ({reason[:200]}); the run cannot go on without it. "
+                f"{resume_hint(run_dir)}",
+                role=role,
+                run_dir=run_dir,
+            ) from None
+        except TimeoutError:
+            continue  # busy, not dead
+
+
+def resume_hint(run_dir: str) -> str:
+    """One sentence on whether a rerun continues ``run_dir`` (true only when the folder holds a plan)."""
+    from gym_ray.plan.shards import RUN_MANIFEST
+
+    if (Path(run_dir) / RUN_MANIFEST).exists():
+        return f"The run folder {run_dir} is resumable: rerun the same command to run only what is missing"
+    return f"Nothing was recorded in {run_dir}; rerun the same command to start over"
 
 
 async def _stop_poller(poller: asyncio.Future[None] | None) -> None:
@@ -310,7 +353,7 @@ async def _teardown(
         await asyncio.gather(*runs, return_exceptions=True)
         runs.clear()
     if not graceful:
-        logger.warning("collect: stopping the run; the run folder is resumable (run again on it)")
+        logger.info("collect: stopping the run's actors")
     for handle in [*actors.workers.values(), actors.driver, actors.coordinator]:
         ray.kill(handle, no_restart=True)
 
@@ -323,10 +366,14 @@ async def _ray_connection(address: str | None) -> Any:
     if ray.is_initialized():
         yield ray
         return
+    # Ray's own start-up lines and the actors' log lines (forwarded with ANSI colour prefixes) are not
+    # printed: every error crosses as a typed exception and is reported once by the caller. The actors'
+    # logs stay in Ray's session folder (/tmp/ray/session_latest/logs on the head node).
+    quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address is None and not os.environ.get("RAY_ADDRESS"):
-        init = functools.partial(ray.init, num_cpus=os.cpu_count() or 1, include_dashboard=False)
+        init = functools.partial(ray.init, num_cpus=os.cpu_count() or 1, include_dashboard=False, **quiet)
     else:
-        init = functools.partial(ray.init, address=address)
+        init = functools.partial(ray.init, address=address, **quiet)
     await asyncio.to_thread(init)
     try:
         yield ray
@@ -347,6 +394,8 @@ async def acollect(
     overrides: Sequence[str] = (),
     rows: Iterable[Mapping[str, Any]] | None = None,
     progress: bool | None = None,
+    progress_every_s: float = 1.0,
+    require_complete: bool = False,
     **settings: Any,
 ) -> RunResult:
     """Collect a whole config on Ray; usable from a running event loop (a notebook cell).
@@ -367,7 +416,11 @@ async def acollect(
             object store).
         progress: Show a live progress line on stderr (done/total, rate, failures, ETA, mean reward by
             environment server), refreshed every second from the workers' counters; default: when
-            stderr is a TTY.
+            stderr is a TTY. Off a TTY each update is a plain line (for batch logs).
+        progress_every_s: Seconds between two progress lines (``gym-ray run`` uses 30 off a TTY).
+        require_complete: Raise :class:`~gym_ray.errors.IncompleteRunError` when the run ends with failed
+            or pending rollouts beyond ``max_failed_fraction`` (after the run folder is finalized; the
+            result's ``complete`` says the same without raising).
         **settings: Run settings set on top of the config (``output_dir=...``, ``shard_size=...``).
 
     Returns:
@@ -377,33 +430,28 @@ async def acollect(
     and every worker links its rollouts' root spans to it (:mod:`gym_ray.observe.tracing`).
 
     Raises:
-        ConfigError: Bad config or settings (before Ray starts).
+        ConfigError / InputError / RecordError / ServerError: Bad config, input, ``output_dir``, worker count
+            or an unreachable environment server (:func:`gym_ray.run.preflight.preflight`, before Ray starts).
         GymRayError: Planning or a shard failed; the run folder is resumable.
+        ActorLostError: The driver or coordinator actor died; the run folder is resumable.
+        IncompleteRunError: ``require_complete`` and the run is not complete.
         CancelledError: Cancelled; the actors are stopped, the run folder is resumable.
     """
     started = time.monotonic()
     # Config errors surface here, before Ray starts; a head-only config is completed from the head.
     run = await resolve_run_config(config, overrides=overrides, settings=settings)
     run_settings = run.settings
-    if run_settings.output_dir is None:
-        raise ConfigError(
-            "config key 'output_dir' is not set: a distributed run needs a run folder; pass output_dir=...",
-            key="output_dir",
-        )
-    if rows is None and run_settings.input_jsonl_fpath is None:
-        raise ConfigError(
-            "config key 'input_jsonl_fpath' is not set and no rows were passed: pass input_jsonl_fpath=... "
-            "or rows=[...]",
-            key="input_jsonl_fpath",
-        )
-    run_dir = str(Path(run_settings.output_dir))
+    row_list = [dict(row) for row in rows] if rows is not None else None
+    # Everything knowable before dispatch (input, output_dir, workers, servers) is refused here.
+    await preflight(run, rows=row_list, num_workers=num_workers)
+    run_dir = str(Path(str(run_settings.output_dir)))
     tracer = setup_tracing(run.tracing)
     show = sys.stderr.isatty() if progress is None else progress
-    view = _ProgressView() if show else None
+    view = _ProgressView(progress_every_s) if show else None
     try:
         async with _ray_connection(address) as ray:
             workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
-            rows_ref = ray.put([dict(row) for row in rows]) if rows is not None else None
+            rows_ref = ray.put(row_list) if row_list is not None else None
             planner = functools.partial(plan_from_config, run, rows_ref)
             with job_span(tracer, run_dir=run_dir) as span:
                 result = await run_actors(
@@ -417,10 +465,12 @@ async def acollect(
                 )
                 if span is not None:
                     span.set_attribute(ATTR_RUN_ID, result.run_id)
-                return result
     finally:
         if view is not None:
             view.close()
+    if require_complete and not result.complete:
+        raise incomplete_error(result)
+    return result
 
 
 class _ProgressView:
@@ -429,14 +479,17 @@ class _ProgressView:
     The display is built at the first snapshot that knows the run's total (once the input is validated).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, interval_s: float = 1.0) -> None:
         self._display: ProgressDisplay | None = None
+        self._interval_s = interval_s
 
     def __call__(self, snapshot: ProgressSnapshot) -> None:
         if snapshot.total is None:
             return
         if self._display is None:
-            self._display = ProgressDisplay(snapshot.total, stream=sys.stderr, enabled=True)
+            self._display = ProgressDisplay(
+                snapshot.total, stream=sys.stderr, enabled=True, interval_s=self._interval_s
+            )
         self._display.update(done=snapshot.done, failed=snapshot.failed, by_server=snapshot.by_server)
 
     def close(self) -> None:
@@ -452,6 +505,8 @@ def collect(
     overrides: Sequence[str] = (),
     rows: Iterable[Mapping[str, Any]] | None = None,
     progress: bool | None = None,
+    progress_every_s: float = 1.0,
+    require_complete: bool = False,
     **settings: Any,
 ) -> RunResult:
     """Collect a whole config on Ray (blocking). Same arguments as :func:`acollect`.
@@ -463,6 +518,7 @@ def collect(
     Raises:
         UsageError: Called from a running event loop; use ``await acollect(...)`` there.
         KeyboardInterrupt: Ctrl-C; the actors are stopped first and the run folder is resumable.
+        RunTerminated: SIGTERM (in the main thread), handled like Ctrl-C; a ``KeyboardInterrupt``.
     """
     try:
         asyncio.get_running_loop()
@@ -473,7 +529,7 @@ def collect(
             "collect() was called from a running event loop (a notebook cell?); "
             "use `await acollect(...)` there"
         )
-    return asyncio.run(
+    return run_until_signal(
         acollect(
             config,
             address=address,
@@ -481,6 +537,8 @@ def collect(
             overrides=overrides,
             rows=rows,
             progress=progress,
+            progress_every_s=progress_every_s,
+            require_complete=require_complete,
             **settings,
         )
     )
