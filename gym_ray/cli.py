@@ -155,6 +155,12 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--advertise-host", default=None, help="host written into the published config (default: --host)"
     )
+    parser.add_argument(
+        "--run-config",
+        default=None,
+        metavar="PATH",
+        help="where to write the head-only run config for `gym-ray run` (default: gym-ray-run.yaml)",
+    )
 
 
 register("serve", "gym_ray.servers.launch:serve_main", _serve_args)
@@ -167,7 +173,12 @@ def _status_args(parser: argparse.ArgumentParser) -> None:
 
 def _aggregate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="the run folder")
-    _config_args(parser)
+    parser.add_argument(
+        "config",
+        nargs="*",
+        help="YAML config file(s) the run used, then key=value overrides (default: the config the run "
+        "recorded in its folder)",
+    )
 
 
 register("status", "gym_ray.record.status:status_main", _status_args)

@@ -154,10 +154,21 @@ def run_main(args: argparse.Namespace) -> int:
         if run.settings.output_dir is not None:
             exc.resume_hint = resume_hint(run_dir)  # type: ignore[attr-defined]
         raise
+    finally:
+        _record_command(run_dir, paths, overrides)
     print(format_result(result))
     if not result.complete:
         raise incomplete_error(result, resume_command=shlex.join(["gym-ray", *args.argv]))
     return 0
+
+
+def _record_command(run_dir: str, paths: list[str], overrides: list[str]) -> None:
+    """Record the run's config in its folder when the run got as far as planning (for ``aggregate``)."""
+    from gym_ray.plan.shards import RUN_MANIFEST
+    from gym_ray.record.status import record_run_command
+
+    if (Path(run_dir) / RUN_MANIFEST).exists():
+        record_run_command(run_dir, paths, overrides)
 
 
 def _progress_interval(value: str) -> float | None:

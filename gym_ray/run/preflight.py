@@ -47,6 +47,7 @@ __all__ = [
     "PROBE_TIMEOUT_S",
     "check_input",
     "check_output_dir",
+    "check_ports",
     "check_servers",
     "check_workers",
     "preflight",
@@ -83,6 +84,7 @@ async def preflight(
     check_workers(num_workers)
     check_input(run.settings, rows)
     check_output_dir(run.settings)
+    check_ports(run.topology)
     if run.settings.health_check:
         await check_servers(run.topology)
 
@@ -202,6 +204,22 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 30):.1f} GiB"
 
 
+def check_ports(topology: Topology) -> None:
+    """Refuse an environment server whose port is 0 (checked with or without ``health_check``).
+
+    Raises:
+        ConfigError: The first such server, named with its URL (``key`` is ``<instance>.port``).
+    """
+    for name in topology.environment_servers():
+        if topology.instances[name].port == 0:
+            raise ConfigError(
+                f"environment server '{name}' has port 0 ({topology.url_of(name)}): 0 means 'any free port' "
+                "to a server being started, not an address to send rollouts to; point the run at the "
+                "running servers (the run config `gym-ray serve` writes, or their real host:port)",
+                key=f"{name}.port",
+            )
+
+
 async def check_servers(topology: Topology, *, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """Refuse a run whose environment servers cannot be reached: port 0, no answer, or a 5xx to ``GET /``.
 
@@ -213,16 +231,8 @@ async def check_servers(topology: Topology, *, timeout_s: float = PROBE_TIMEOUT_
         ServerConnectionError: One does not accept a connection or answer within ``timeout_s``.
         ServerHTTPError: One answers ``GET /`` with a 5xx status.
     """
+    check_ports(topology)
     names = topology.environment_servers()
-    for name in names:
-        instance = topology.instances[name]
-        if instance.port == 0:
-            raise ConfigError(
-                f"environment server '{name}' has port 0 ({topology.url_of(name)}): 0 means 'any free port' "
-                "to a server being started, not an address to send rollouts to; point the run at the "
-                "running servers (the run.yaml `gym-ray serve` writes, or their real host:port)",
-                key=f"{name}.port",
-            )
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for start in range(0, len(names), _PROBES_AT_ONCE):
@@ -249,7 +259,8 @@ async def _probe(session: aiohttp.ClientSession, name: str, url: str, timeout_s:
         ) from None
     except aiohttp.ClientError as exc:
         reason = getattr(exc, "os_error", None)
-        text = getattr(reason, "strerror", None) or str(exc) or type(exc).__name__
+        errno = getattr(reason, "errno", None)
+        text = os.strerror(errno) if errno else str(exc) or type(exc).__name__
         raise ServerConnectionError(
             f"environment server '{name}' at {url} is not reachable ({text}); start it (gym-ray serve "
             f"CONFIG) or fix its host/port in the config {_SKIP_HINT}",

@@ -334,11 +334,44 @@ def serve_main(args: argparse.Namespace) -> int:
     if not paths:
         raise ConfigError("gym-ray serve needs at least one YAML config file")
     cfg = load_config_files(paths, overrides)
-    asyncio.run(_serve_until_signal(cfg, host=args.host, advertise_host=args.advertise_host))
+    run_config = getattr(args, "run_config", None) or RUN_CONFIG_FILE
+    asyncio.run(
+        _serve_until_signal(cfg, host=args.host, advertise_host=args.advertise_host, run_config=run_config)
+    )
     return 0
 
 
-async def _serve_until_signal(cfg: dict[str, Any], *, host: str, advertise_host: str | None) -> None:
+#: Where ``gym-ray serve`` writes the head-only run config (``--run-config`` changes it).
+RUN_CONFIG_FILE = "gym-ray-run.yaml"
+
+
+def write_run_config(path: str, head_url: str) -> None:
+    """Write a head-only run config for ``gym-ray run``: the head server's host and port, nothing else.
+
+    A run given this file reads every server and routing key from the head's published config, so it
+    reaches the servers at the ports they really listen on.
+
+    Raises:
+        ConfigError: The file cannot be written.
+    """
+    host, _, port = head_url.removeprefix("http://").rpartition(":")
+    text = (
+        "# Written by `gym-ray serve`: the running head server. Pass it to `gym-ray run`; the run reads\n"
+        "# every server and routing key from the head. Rewritten each time `gym-ray serve` starts.\n"
+        f"head_server:\n  host: {host}\n  port: {int(port)}\n"
+    )
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the run config {path!r}: {exc.strerror or exc}; pass --run-config PATH elsewhere"
+        ) from exc
+
+
+async def _serve_until_signal(
+    cfg: dict[str, Any], *, host: str, advertise_host: str | None, run_config: str = RUN_CONFIG_FILE
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -348,6 +381,12 @@ async def _serve_until_signal(cfg: dict[str, Any], *, host: str, advertise_host:
             for name, server in deployment.servers.items():
                 print(f"{name} ({server.server_type}): {deployment.url_of(name)}", flush=True)
             print(f"head server: {deployment.head_url}", flush=True)
+            write_run_config(run_config, deployment.head_url)
+            print(f"wrote {run_config} (the head server's address); collect your rows with:", flush=True)
+            print(
+                f"  gym-ray run {run_config} +input_jsonl_fpath=ROWS.jsonl +output_dir=runs/r1",
+                flush=True,
+            )
             await stop.wait()
             print("stopping", flush=True)
     finally:
