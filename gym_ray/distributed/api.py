@@ -51,7 +51,7 @@ from gym_ray.distributed.worker import (
     WorkerTotals,
     worker_max_concurrency,
 )
-from gym_ray.errors import ActorLostError, InternalError, NoProgressError, UsageError
+from gym_ray.errors import ActorLostError, GymRayError, InternalError, NoProgressError, UsageError
 from gym_ray.observe.progress import ProgressDisplay
 from gym_ray.observe.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing
 from gym_ray.run.collect import incomplete_error
@@ -304,7 +304,7 @@ async def _raise_if_run_actor_lost(actors: RunActors, run_dir: str) -> None:
         except ray.exceptions.RayActorError as exc:
             reason = (str(exc).strip().splitlines() or ["no reason given"])[0]
             raise ActorLostError(
-                f"the run's {role} actor ({name}) died ({reason[:200]}); the run cannot go on without it. "
+                f"the run's {role} actor ({name}) died ({reason[:200]}); the run cannot go on without it; "
                 f"{resume_hint(run_dir)}",
                 role=role,
                 run_dir=run_dir,
@@ -318,8 +318,8 @@ def resume_hint(run_dir: str) -> str:
     from gym_ray.plan.shards import RUN_MANIFEST
 
     if (Path(run_dir) / RUN_MANIFEST).exists():
-        return f"The run folder {run_dir} is resumable: rerun the same command to run only what is missing"
-    return f"Nothing was recorded in {run_dir}; rerun the same command to start over"
+        return f"the run folder {run_dir} is resumable: rerun the same command to run only what is missing"
+    return f"nothing was recorded in {run_dir}: rerun the same command to start over"
 
 
 async def _stop_poller(poller: asyncio.Future[None] | None) -> None:
@@ -374,11 +374,40 @@ async def _ray_connection(address: str | None) -> Any:
         init = functools.partial(ray.init, num_cpus=os.cpu_count() or 1, include_dashboard=False, **quiet)
     else:
         init = functools.partial(ray.init, address=address, **quiet)
-    await asyncio.to_thread(init)
+    try:
+        await asyncio.to_thread(init)
+    except Exception as exc:  # Ray raises bare Exception / RuntimeError / ConnectionError here
+        where = (
+            f"join the Ray cluster at {address or os.environ.get('RAY_ADDRESS')}"
+            if address or os.environ.get("RAY_ADDRESS")
+            else "start a local Ray"
+        )
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise GymRayError(
+            f"could not {where}: {text}; nothing was dispatched. Check the address or the machine's load, "
+            "then rerun"
+        ) from exc
+    _restore_sigterm()
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+def _restore_sigterm() -> None:
+    """Give SIGTERM back to Python after ``ray.init``.
+
+    Ray's core worker installs a C-level SIGTERM handler in the driver process that prints a stack dump and
+    aborts; Python's own handler (e.g. the one :func:`gym_ray.run.signals.run_until_signal` set, which
+    stops the run like Ctrl-C) still stands at the Python level, so re-installing it re-arms it.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGTERM)
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
 
 
 def _default_num_workers(ray_module: Any) -> int:
