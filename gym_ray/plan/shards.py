@@ -129,12 +129,16 @@ def _write_run_manifest(
     shard_size: int,
     num_shards: int | None,
     planned: int | None,
+    run_rows: int | None = None,
 ) -> None:
     manifest = {
         "run_id": run_id,
         "config_identity": config_identity,
         "num_shards": num_shards,
         "planned": planned,
+        # The run's full size, known from the validation pass before the first shard is cut: an interrupted
+        # run's status counts the rows not planned yet (gym_ray.record.status, gym_ray.record.ledger).
+        "run_rows": run_rows if run_rows is not None else (existing or {}).get("run_rows"),
         "shard_size": shard_size,
         "created_at": existing.get("created_at") if existing else time.time(),
     }
@@ -238,7 +242,8 @@ def iter_plan(
     For rows that were validated already (:func:`iter_prepare_run`): a consumer can dispatch shard ``i``
     while shard ``i + 1`` is being cut, and memory holds one shard's digest state, never the plan.
     Before the first shard the run manifest is written with ``num_shards``/``planned`` null (so the run
-    id survives a kill during planning); after the last shard it is rewritten with the totals. On resume
+    id survives a kill during planning) and ``run_rows`` (the run's full size, when known); after the last
+    shard it is rewritten with the totals. On resume
     each existing shard is checked against the new cut (digest of its materialized inputs) before it is
     yielded; a shard count that differs from the finished manifest's raises when it shows.
 
@@ -262,15 +267,16 @@ def iter_plan(
     root.mkdir(parents=True, exist_ok=True)
     run_id, existing = _open_run(root, config_identity, run_id)
     expected = existing.get("num_shards") if existing else None
-    if existing is None:
+    if existing is None or (run_rows is not None and existing.get("run_rows") != run_rows):
         _write_run_manifest(
             root,
-            None,
+            existing,
             run_id=run_id,
             config_identity=config_identity,
             shard_size=size,
-            num_shards=None,
-            planned=None,
+            num_shards=expected,
+            planned=existing.get("planned") if existing else None,
+            run_rows=run_rows,
         )
     staging = root / f".staging-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
@@ -303,6 +309,7 @@ def iter_plan(
         shard_size=size,
         num_shards=count,
         planned=planned,
+        run_rows=run_rows,
     )
 
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 from gym_ray import keys
 from gym_ray.errors import AggregationError, InputError, ResumeError, UsageError
 from gym_ray.plan.resume import plan_resume
+from gym_ray.plan.shards import RUN_MANIFEST
 from gym_ray.record.aggregate import (
     AGGREGATE_FILE_NAME,
     AggregateEntry,
@@ -80,7 +81,10 @@ class ShardStatus(BaseModel):
 class RunStatus(BaseModel):
     """A run folder's status: per-shard counts, totals, what resume would run, rate and ETA.
 
-    Totals sum the shards (``pending`` and friends over the shards that could be planned).
+    Totals sum the shards (``pending`` and friends over the shards that could be planned). ``planned`` is
+    the run's full size when its run manifest records it (a run interrupted while planning has cut only
+    part of its shards); ``unplanned`` is the rows not cut into shards yet, counted in ``pending``.
+    Rows and attempts are apart: ``succeeded`` counts rows, ``failed_attempts`` failure lines.
     ``rate_per_s`` is settled rollouts (planned minus pending) per second between the earliest manifest
     and the latest progress update; ``eta_s`` is ``pending / rate_per_s``. Both are None without
     timestamps or progress; they are approximate (a resumed run includes the pause in its elapsed time).
@@ -109,6 +113,7 @@ class RunStatus(BaseModel):
     merged: bool
     aggregate_servers: int | None
     aggregate_failed: tuple[str, ...]
+    unplanned: int = 0
 
     @property
     def complete(self) -> bool:
@@ -182,6 +187,12 @@ def _shard_status(run_dir: Path, shard: str) -> ShardStatus:
     )
 
 
+def _run_rows(run_dir: Path) -> int | None:
+    """The run's full size as its run manifest records it (None when unknown)."""
+    value = _read_timestamp(run_dir / RUN_MANIFEST, "run_rows")
+    return int(value) if value is not None else None
+
+
 def _aggregate_summary(run_dir: Path) -> tuple[int | None, tuple[str, ...]]:
     path = run_dir / AGGREGATE_FILE_NAME
     try:
@@ -234,7 +245,8 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
     started_at = min(created) if created else None
     updated_at = max(updated) if updated else None
     planned_ok = sum(s.planned or 0 for s in shards if s.pending is not None)
-    pending = total("pending")
+    unplanned = max(0, (_run_rows(folder) or 0) - total("planned"))
+    pending = total("pending") + unplanned
     settled = planned_ok - pending
     rate = None
     if started_at is not None and updated_at is not None and updated_at > started_at and settled > 0:
@@ -243,7 +255,8 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
     return RunStatus(
         run_dir=str(folder),
         shards=shards,
-        planned=total("planned"),
+        planned=total("planned") + unplanned,
+        unplanned=unplanned,
         succeeded=total("succeeded"),
         failed_attempts=total("failed_attempts"),
         failed_by_class=dict(sorted(by_class.items())),
@@ -268,7 +281,7 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
 _COLUMNS = (
     ("planned", "planned"),
     ("succeeded", "succeeded"),
-    ("failed_attempts", "failed"),
+    ("failed_attempts", "failed_attempts"),
     ("terminal", "terminal"),
     ("maxed_out", "maxed"),
     ("pending", "pending"),
@@ -315,8 +328,10 @@ def format_status(status: RunStatus) -> str:
     ]
     if status.failed_by_class:
         out.append("failures by class: " + ", ".join(f"{k}={v}" for k, v in status.failed_by_class.items()))
+    unplanned = f", {status.unplanned} not cut into shards yet" if status.unplanned else ""
     out.append(
-        f"resume would run: {status.pending} rollout(s) ({status.retrying} with earlier failed attempts)"
+        f"resume would run: {status.pending} rollout(s) ({status.retrying} with earlier failed attempts"
+        f"{unplanned})"
     )
     if status.rate_per_s is not None:
         eta = f"; ETA {_duration(status.eta_s)}" if status.eta_s else ""
