@@ -11,7 +11,9 @@ never records. Terms, over the source:
 - *settled*: identities with a success, a terminal failure (``_ng_failure_terminal`` true), or at least
   ``max_rollout_attempts`` failure lines: the ones resume never runs again. Drained and killed rows leave
   no line, so they are not settled.
-- ``P`` (planned): the ``planned`` argument, else every identity in the shards' materialized inputs.
+- ``P`` (planned): the ``planned`` argument, else every identity in the shards' materialized inputs; a
+  folder whose shards have no materialized inputs (a stream's ``record_dir``) is judged by what it
+  recorded: ``P`` = *recorded*.
 - ``A`` (acknowledged): the ``acknowledged`` argument (identities the collector reported recorded).
 
 Figures:
@@ -202,6 +204,11 @@ def check_run(
         for identity, _ in scan.identified(paths.materialized_inputs, skip_omitted=False):
             default_planned.add(identity)
     planned_set = set(planned) if planned is not None else default_planned
+    # A stream's record_dir has shards but no materialized inputs (rows arrive while it runs): judge it by
+    # what it recorded, so that only lost, duplicate, corrupt and unsettled records count against it.
+    recorded_is_plan = (
+        planned is None and bool(shards) and not any(p.materialized_inputs.exists() for p in shards)
+    )
     unplanned = 0 if planned is not None else max(0, (_run_rows(base) or 0) - len(default_planned))
 
     # Shard files are always read: for corrupt lines, and for attempts when request counts are given.
@@ -239,6 +246,8 @@ def check_run(
     maxed = {identity for identity, count in failure_counts.items() if count >= max_rollout_attempts}
     success_ids = set(successes)
     recorded = success_ids | set(failure_counts)
+    if recorded_is_plan:
+        planned_set = set(recorded)
     settled = success_ids | terminal | maxed
     acknowledged_set = set(acknowledged) if acknowledged is not None else set()
 
