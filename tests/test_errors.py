@@ -16,6 +16,11 @@ from gym_ray import errors
         pytest.param(errors.ValidationError("bad rows", problems=["row 1", "row 2"]), id="validation"),
         pytest.param(errors.ShardLockError("stale"), id="lock"),
         pytest.param(errors.AggregationError("agg", servers={"env": "boom"}), id="aggregation"),
+        pytest.param(
+            errors.IncompleteRunError("incomplete", run_dir="runs/r1", failed=2, pending=3, resumable=5),
+            id="incomplete",
+        ),
+        pytest.param(errors.ActorLostError("gone", role="driver", run_dir="runs/r1"), id="actor-lost"),
     ],
 )
 def test_errors_pickle_round_trip_keeps_type_and_fields(exc: errors.GymRayError) -> None:
