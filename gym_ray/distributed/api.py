@@ -519,7 +519,12 @@ class _ProgressView:
             self._display = ProgressDisplay(
                 snapshot.total, stream=sys.stderr, enabled=True, interval_s=self._interval_s
             )
-        self._display.update(done=snapshot.done, failed=snapshot.failed, by_server=snapshot.by_server)
+        self._display.update(
+            done=snapshot.done,
+            failed=snapshot.failed,
+            by_server=snapshot.by_server,
+            failed_by_class=snapshot.failed_by_class,
+        )
 
     def close(self) -> None:
         if self._display is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -41,12 +41,15 @@ class ProgressSnapshot:
         done: Rollouts settled so far (successes, failure records, and rows done by an earlier run).
         failed: Of those, failure records written by this run.
         by_server: Environment server -> (successes of this run, their reward sum).
+        failed_by_class: Failure records by class, over the *finished* shards of this run (a running shard's
+            failures count in ``failed`` only until its report arrives).
     """
 
     total: int | None
     done: int
     failed: int
     by_server: dict[str, tuple[int, float]]
+    failed_by_class: dict[str, int] = field(default_factory=dict)
 
 
 ProgressHook = Callable[[ProgressSnapshot], None]
@@ -73,7 +76,13 @@ async def progress_snapshot(coordinator: Any, workers: Iterable[Any]) -> Progres
         done += answer.succeeded + answer.failed
         failed += answer.failed
         by_server = _merged(by_server, answer.by_server)
-    return ProgressSnapshot(total=status.rows_total, done=done, failed=failed, by_server=by_server)
+    return ProgressSnapshot(
+        total=status.rows_total,
+        done=done,
+        failed=failed,
+        by_server=by_server,
+        failed_by_class=dict(status.failed_by_class),
+    )
 
 
 def _merged(

@@ -87,18 +87,28 @@ class ProgressDisplay:
         self.done = 0
         self.failed = 0
         self.by_server: dict[str, tuple[int, float]] = {}
+        self.failed_by_class: dict[str, int] = {}
 
-    def update(self, *, done: int, failed: int, by_server: Mapping[str, tuple[int, float]]) -> None:
+    def update(
+        self,
+        *,
+        done: int,
+        failed: int,
+        by_server: Mapping[str, tuple[int, float]],
+        failed_by_class: Mapping[str, int] | None = None,
+    ) -> None:
         """Take the counts as they stand and render if ``interval_s`` has passed since the last line.
 
         Args:
             done: Rollouts settled so far (successes and failures).
             failed: Of those, the failures.
             by_server: Environment server -> (successes, sum of their rewards).
+            failed_by_class: Failures by class, shown after the failure count when not empty.
         """
         self.done = done
         self.failed = failed
         self.by_server = dict(by_server)
+        self.failed_by_class = dict(failed_by_class or {})
         if not self.enabled or self._closed:
             return
         now = self._clock()
@@ -119,7 +129,9 @@ class ProgressDisplay:
             eta = format_duration(left / rate)
         else:
             eta = "--"
-        line = f"{self.done}/{self.total} ({percent:.1f}%) {rate:.1f}/s failed {self.failed} ETA {eta}"
+        classes = ", ".join(f"{k}={v}" for k, v in sorted(self.failed_by_class.items()))
+        failed = f"{self.failed} ({classes})" if classes else str(self.failed)
+        line = f"{self.done}/{self.total} ({percent:.1f}%) {rate:.1f}/s failed {failed} ETA {eta}"
         if self.by_server:
             means = " ".join(
                 f"{name} {_mean(successes, reward_sum)}"
