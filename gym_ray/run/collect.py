@@ -131,11 +131,11 @@ class RunResult(BaseModel):
     num_workers: int
     key_metrics: dict[str, dict[str, Any]]
     aggregation_errors: dict[str, str]
+    pending: int
+    failure_attempts: int
+    resumable: int
+    complete: bool
     latency_ms: dict[str, float | None] = Field(default_factory=dict)
-    pending: int = 0
-    failure_attempts: int = 0
-    resumable: int = 0
-    complete: bool = True
 
 
 # --------------------------------------------------------------------------------------------------
