@@ -101,13 +101,14 @@ def load_port(config: Path) -> int:
     return int(yaml.safe_load(config.read_text())["arith_env"]["environment_servers"]["example_env"]["port"])
 
 
-def test_an_empty_input_file_is_refused(tmp_path: Path, ray_tmp: Path) -> None:
+@pytest.mark.parametrize("mode", [pytest.param([], id="ray"), pytest.param(["--local"], id="local")])
+def test_an_empty_input_file_is_refused(tmp_path: Path, ray_tmp: Path, mode: list[str]) -> None:
     config = _live_free_config(tmp_path)
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
     out = tmp_path / "out"
     result = gym_ray(
-        ["run", str(config), f"+input_jsonl_fpath={empty}", f"+output_dir={out}"],
+        ["run", str(config), f"+input_jsonl_fpath={empty}", f"+output_dir={out}", *mode],
         cwd=tmp_path,
         ray_tmp=ray_tmp,
     )
