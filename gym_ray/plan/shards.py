@@ -35,7 +35,7 @@ from gym_ray import keys
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
-from gym_ray.errors import GymRayError, ResumeError, UsageError
+from gym_ray.errors import GymRayError, RecordError, ResumeError, UsageError
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan.load import load_jsonl
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
@@ -261,9 +261,41 @@ def iter_plan(
 
     Raises:
         ResumeError: The folder holds a run whose config identity, inputs or shard count differ.
+        RecordError: The folder cannot be written (disk full, permissions); the message names the path.
     """
     size = _shard_size(shard_size)
     root = Path(run_dir)
+    try:
+        yield from _iter_plan(
+            rows,
+            root,
+            size=size,
+            config_identity=config_identity,
+            max_rollout_attempts=max_rollout_attempts,
+            run_id=run_id,
+            run_rows=run_rows,
+        )
+    except OSError as exc:
+        if isinstance(exc, GymRayError):
+            raise
+        where = exc.filename or root
+        raise RecordError(
+            f"planning the run folder {root} failed writing {where}: {exc.strerror or exc}; free space on "
+            "that disk (or pass an output_dir on a larger one), then rerun the same command"
+        ) from exc
+
+
+def _iter_plan(
+    rows: Iterable[dict[str, Any]],
+    root: Path,
+    *,
+    size: int,
+    config_identity: str | None,
+    max_rollout_attempts: int,
+    run_id: str | None,
+    run_rows: int | None,
+) -> Generator[ShardSpec, None, None]:
+    """:func:`iter_plan`'s body (which maps the file system's errors to one line naming the path)."""
     root.mkdir(parents=True, exist_ok=True)
     run_id, existing = _open_run(root, config_identity, run_id)
     expected = existing.get("num_shards") if existing else None
@@ -322,6 +354,15 @@ def _shard_count_error(root: Path, expected: int, got: int | str) -> ResumeError
 
 def _stage_shards(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Iterator[tuple[str, int, str]]:
     """Write each shard's rows to ``staging``; yields (label, rows, sha256) once a shard is closed."""
+    try:
+        yield from _stage_rows(rows, staging, size)
+    except OSError as exc:
+        if exc.filename is None:  # a write or close error names no file: name the staging folder
+            exc.filename = str(staging)
+        raise
+
+
+def _stage_rows(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Iterator[tuple[str, int, str]]:
     index = 0
     count = 0
     last_task: Any = object()

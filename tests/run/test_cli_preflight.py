@@ -8,6 +8,7 @@ robust to other Ray instances on the machine) and that the run folder was not cr
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -214,6 +215,34 @@ def test_no_space_for_the_materialized_inputs_is_refused(tmp_path: Path, ray_tmp
         assert os.listdir(mount) == []
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_disk_that_fills_while_planning_is_named_in_one_line(tmp_path: Path, ray_tmp: Path) -> None:
+    """Past the estimate (input x repeats fits, the stamped rows do not): one line naming the path."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
+    try:
+        config = _live_free_config(tmp_path)
+        rows = write_rows(tmp_path / "rows.jsonl", 850)
+        assert 8 * rows.stat().st_size < shutil.disk_usage(mount).free  # the preflight estimate passes
+        out = mount / "run"
+        args = ["run", str(config), f"+input_jsonl_fpath={rows}", f"+output_dir={out}", "+num_repeats=8"]
+        result = gym_ray([*args, "--local"], cwd=tmp_path, ray_tmp=ray_tmp)
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+    assert result.returncode == 1, result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    pattern = (
+        rf"gym-ray run: RecordError: planning the run folder {re.escape(str(out))} failed writing "
+        rf"{re.escape(str(out))}/\.staging-[0-9a-f]{{8}}: No space left on device; free space on that disk "
+        r"\(or pass an output_dir on a larger one\), then rerun the same command"
+    )
+    assert re.fullmatch(pattern, first_line(result.stderr)), result.stderr
 
 
 def _live_free_config(tmp_path: Path) -> Path:
