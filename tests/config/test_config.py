@@ -370,6 +370,8 @@ def test_run_settings_defaults() -> None:
         "strict": False,
         "no_progress_timeout_s": 600.0,
         "seed": None,
+        "health_check": True,
+        "max_failed_fraction": 0.0,
     }
 
 
