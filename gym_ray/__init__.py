@@ -10,9 +10,11 @@ from gym_ray.dispatch.helper import RolloutCollectionHelper
 from gym_ray.dispatch.outcomes import RolloutFailureRecord
 from gym_ray.distributed.api import acollect, collect
 from gym_ray.errors import (
+    ActorLostError,
     AggregationError,
     ConfigError,
     GymRayError,
+    IncompleteRunError,
     InputError,
     InternalError,
     NoProgressError,
@@ -21,6 +23,7 @@ from gym_ray.errors import (
     RoutingError,
     RunLockError,
     RunRejectedError,
+    RunTerminated,
     ServerConnectionError,
     ServerError,
     ServerHTTPError,
@@ -43,10 +46,12 @@ from gym_ray.streaming.sync import stream_sync
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActorLostError",
     "AggregationError",
     "ConfigError",
     "DispatchStats",
     "GymRayError",
+    "IncompleteRunError",
     "InputError",
     "InternalError",
     "LedgerReport",
@@ -63,6 +68,7 @@ __all__ = [
     "RunRejectedError",
     "RunResult",
     "RunSettings",
+    "RunTerminated",
     "ServerClient",
     "ServerConnectionError",
     "ServerError",

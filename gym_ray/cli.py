@@ -1,17 +1,94 @@
 """The ``gym-ray`` command line: run | submit | serve | status | aggregate | demo | bench.
 
 Each sub-command lives in the module that owns its concept; this file only parses arguments and maps
-gym_ray's errors to one clear line on stderr and a non-zero exit code (never a traceback for bad input).
+gym_ray's errors to one clear line on stderr and an exit status (never a traceback for bad input).
+
+Exit statuses (:data:`EXIT_STATUSES`, also in README.md and ``gym-ray run --help``)::
+
+    0    every planned rollout has a result (or failed rows within max_failed_fraction)
+    1    any other error (a server, the run folder, a dead driver/coordinator actor, ...)
+    2    bad input, config or arguments: nothing was dispatched
+    3    the run ended with failed or pending rollouts; rerun the same command to resume
+    4    an environment server stayed down past server_outage_timeout_s; rerun once it is back
+    130  interrupted by Ctrl-C (SIGINT); resumable when the run folder holds a plan
+    143  stopped by SIGTERM; the same as 130
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Callable, Sequence
 
-from gym_ray.errors import GymRayError, UsageError
+from gym_ray.errors import (
+    GymRayError,
+    IncompleteRunError,
+    RunLockError,
+    RunRejectedError,
+    RunTerminated,
+    ServerOutageError,
+    UsageError,
+)
+
+#: Exception class -> exit status of the ``gym-ray`` command. The first class of an error's MRO found here
+#: decides, so a subclass gets its own status by adding one line (most specific classes need no order).
+EXIT_STATUSES: dict[type[BaseException], int] = {
+    UsageError: 2,  # bad input / config / arguments, refused before anything was dispatched
+    IncompleteRunError: 3,  # the run ended with failed or pending rollouts; resumable
+    RunRejectedError: 3,  # a strict run left unfinished work; resumable, no score published
+    ServerOutageError: 4,  # a server stayed down past server_outage_timeout_s; resumable once it is back
+    RunLockError: 2,  # another run holds the folder: refused before anything was planned or sent
+    GymRayError: 1,  # any other gym_ray error
+    OSError: 1,  # the file system or the network, outside gym_ray's checks
+    RunTerminated: 143,  # SIGTERM: stopped like Ctrl-C
+    KeyboardInterrupt: 130,  # Ctrl-C
+}
+
+EXIT_STATUS_HELP = """exit status:
+  0    every planned rollout has a result (or failed rows within max_failed_fraction)
+  1    any other error (a server, the run folder, a dead driver or coordinator actor, ...)
+  2    bad input, config or arguments: nothing was dispatched
+  3    the run ended with failed or pending rollouts; rerun the same command to resume
+  4    an environment server stayed down past server_outage_timeout_s; rerun once it is back
+  130  interrupted by Ctrl-C; 143 stopped by SIGTERM (resumable once the run folder holds a plan)"""
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def exit_status(exc: BaseException) -> int | None:
+    """The exit status :data:`EXIT_STATUSES` gives ``exc``, or None when no class of it is listed."""
+    for cls in type(exc).__mro__:
+        if cls in EXIT_STATUSES:
+            return EXIT_STATUSES[cls]
+    return None
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The error a Ray task raised, not Ray's wrapper (whose text is the remote traceback)."""
+    seen = 0
+    while isinstance(getattr(exc, "cause", None), BaseException) and seen < 8:
+        exc = exc.cause  # type: ignore[attr-defined]
+        seen += 1
+    return exc
+
+
+def error_line(command: str, exc: BaseException) -> str:
+    """The message ``gym-ray COMMAND`` prints for ``exc`` (ANSI colour codes removed)."""
+    if isinstance(exc, KeyboardInterrupt):
+        how = "stopped by SIGTERM" if isinstance(exc, RunTerminated) else "interrupted by Ctrl-C"
+        hint = getattr(exc, "resume_hint", None)
+        return f"gym-ray {command}: {how}" + (f"; {hint}" if hint else "")
+    if isinstance(exc, UsageError):
+        text = f"gym-ray {command}: error: {exc}"
+    elif isinstance(exc, OSError) and not isinstance(exc, GymRayError):
+        where = f": '{exc.filename}'" if exc.filename else ""
+        text = f"gym-ray {command}: {type(exc).__name__}: {exc.strerror or exc}{where}"
+    else:
+        text = f"gym-ray {command}: {type(exc).__name__}: {exc}"
+    return _ANSI.sub("", text)
+
 
 #: command -> (help, "module:function" implementing it, or None when not built yet)
 COMMANDS: dict[str, tuple[str, str | None]] = {
@@ -68,17 +145,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(func(args))
-    except KeyboardInterrupt:
-        print(f"gym-ray {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except UsageError as exc:
-        print(f"gym-ray {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except GymRayError as exc:
-        print(f"gym-ray {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    except BaseException as raised:
+        exc = _unwrap(raised)
+        status = exit_status(exc)
+        if status is None:
+            raise  # a bug or SystemExit: Python reports it
+        print(error_line(args.command, exc), file=sys.stderr, flush=True)
+        return status
     finally:
         flush_telemetry()
 
@@ -107,6 +183,12 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--advertise-host", default=None, help="host written into the published config (default: --host)"
     )
+    parser.add_argument(
+        "--run-config",
+        default=None,
+        metavar="PATH",
+        help="where to write the head-only run config for `gym-ray run` (default: gym-ray-run.yaml)",
+    )
 
 
 register("serve", "gym_ray.servers.launch:serve_main", _serve_args)
@@ -119,7 +201,12 @@ def _status_args(parser: argparse.ArgumentParser) -> None:
 
 def _aggregate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="the run folder")
-    _config_args(parser)
+    parser.add_argument(
+        "config",
+        nargs="*",
+        help="YAML config file(s) the run used, then key=value overrides (default: the config the run "
+        "recorded in its folder)",
+    )
 
 
 register("status", "gym_ray.record.status:status_main", _status_args)
@@ -128,9 +215,25 @@ register("aggregate", "gym_ray.record.status:aggregate_main", _aggregate_args)
 
 def _run_args(parser: argparse.ArgumentParser) -> None:
     _config_args(parser)
-    parser.add_argument("--workers", type=int, default=None, help="worker actors (default: from config)")
+    parser.add_argument(
+        "--workers", type=int, default=None, help="worker actors, >= 1 (default: from config)"
+    )
     parser.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or local)")
     parser.add_argument("--local", action="store_true", help="run in this process, without Ray")
+    parser.add_argument(
+        "--no-health-check",
+        action="store_true",
+        help="do not probe the environment servers (GET /) before the run starts",
+    )
+    parser.add_argument(
+        "--progress",
+        default="auto",
+        metavar="auto|off|SECONDS",
+        help="progress on stderr: a live line on a TTY, else a plain line every 30 s (auto); "
+        "off; or a plain line every SECONDS",
+    )
+    parser.epilog = EXIT_STATUS_HELP
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def _demo_args(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,12 @@
     │   └── ShardIOError (OSError)     a write or fsync failed; the shard is failed, never retried
     ├── NoProgressError                nothing finished for N seconds (liveness)
     ├── RunRejectedError               a strict run left unfinished work; no score is published
+    ├── IncompleteRunError             the run ended with failed or pending rollouts (require_complete)
+    ├── ActorLostError                 the run's driver or coordinator actor died
     └── InternalError                  a gym_ray bug: please report it
+
+    KeyboardInterrupt
+    └── RunTerminated                  SIGTERM: the run stopped like on Ctrl-C (not a GymRayError)
 
 Every exception here is picklable (arguments are plain data, ``__reduce__`` keeps them), so a
 worker actor can raise it and the driver receives the same type.
@@ -214,6 +219,46 @@ class NoProgressError(GymRayError):
 
 class RunRejectedError(GymRayError):
     """A strict run left unfinished work, so no score is published."""
+
+
+class IncompleteRunError(GymRayError):
+    """The run ended with failed or pending rollouts, beyond ``max_failed_fraction``.
+
+    Raised by ``collect(..., require_complete=True)`` after the run folder is finalized (merged, summary
+    written); a rerun on the same ``output_dir`` runs what is missing. Attributes: ``run_dir``, ``failed``
+    and ``pending`` (rows), ``resumable`` (rows a rerun would dispatch).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        run_dir: str | None = None,
+        failed: int = 0,
+        pending: int = 0,
+        resumable: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
+        self.failed = failed
+        self.pending = pending
+        self.resumable = resumable
+
+
+class ActorLostError(GymRayError):
+    """An actor the run cannot replace died: ``role`` is ``"driver"`` or ``"coordinator"``."""
+
+    def __init__(self, message: str, *, role: str, run_dir: str | None = None) -> None:
+        super().__init__(message)
+        self.role = role
+        self.run_dir = run_dir
+
+
+class RunTerminated(KeyboardInterrupt):
+    """The process got SIGTERM during a run; it stopped like on Ctrl-C (actors stopped, folder resumable).
+
+    A ``KeyboardInterrupt`` so that code handling Ctrl-C handles it too.
+    """
 
 
 class InternalError(GymRayError):

@@ -19,6 +19,11 @@ from gym_ray import errors
             errors.ShardLockError("stale", shard="s0", holder_pid=7, holder_host="h"), id="lock-holder"
         ),
         pytest.param(errors.AggregationError("agg", servers={"env": "boom"}), id="aggregation"),
+        pytest.param(
+            errors.IncompleteRunError("incomplete", run_dir="runs/r1", failed=2, pending=3, resumable=5),
+            id="incomplete",
+        ),
+        pytest.param(errors.ActorLostError("gone", role="driver", run_dir="runs/r1"), id="actor-lost"),
     ],
 )
 def test_errors_pickle_round_trip_keeps_type_and_fields(exc: errors.GymRayError) -> None:

@@ -368,6 +368,10 @@ class RunSettings(BaseModel):
             that already holds a run (gym_ray never deletes results); None: resume.
         retain_results_in_memory / upload_rollouts / disable_health_check: accepted for NeMo Gym command
             lines (see docs/nemo-gym.md).
+        health_check: before anything starts, probe every environment server the config routes to
+            (``GET /``) and refuse the run when one is unreachable or unhealthy.
+        max_failed_fraction: failed rows (of the planned rows) a run may end with and still count as
+            complete (exit status 0); 0.0 = none.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
@@ -408,6 +412,8 @@ class RunSettings(BaseModel):
     retain_results_in_memory: bool = True
     upload_rollouts: bool = True
     disable_health_check: bool = True
+    health_check: bool = True
+    max_failed_fraction: float = Field(0.0, ge=0.0, le=1.0)
 
     @model_validator(mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -51,10 +52,20 @@ from gym_ray.distributed.worker import (
     WorkerTotals,
     worker_max_concurrency,
 )
-from gym_ray.errors import ConfigError, InternalError, NoProgressError, ServerOutageError, UsageError
+from gym_ray.errors import (
+    ActorLostError,
+    GymRayError,
+    InternalError,
+    NoProgressError,
+    ServerOutageError,
+    UsageError,
+)
 from gym_ray.observe.tracing import ATTR_RUN_ID, Tracer, current_traceparent, job_span, setup_tracing
 from gym_ray.record.outage_note import clear_outage, write_outage
 from gym_ray.record.run_lock import RunLock, sweep_leftovers
+from gym_ray.run.collect import incomplete_error
+from gym_ray.run.preflight import preflight
+from gym_ray.run.signals import run_until_signal
 
 if TYPE_CHECKING:
     from gym_ray.run.collect import RunResult, ShardSpec
@@ -270,6 +281,9 @@ async def run_actors(
                 try:
                     actors.totals[worker_id] = call.result()
                 except ray.exceptions.RayActorError as exc:
+                    # A worker's run() also fails when the driver or coordinator it talks to died:
+                    # name that actor instead of blaming (and replacing) the workers.
+                    await _raise_if_run_actor_lost(actors, run_dir)
                     actors.lost.append(worker_id)
                     requeued = await driver.worker_lost.remote(worker_id)
                     logger.warning(
@@ -309,6 +323,9 @@ async def run_actors(
         )
         finished = True
         return result
+    except ray.exceptions.RayActorError:
+        await _raise_if_run_actor_lost(actors, run_dir)
+        raise
     finally:
         await _stop_poller(poller)
         await _teardown(
@@ -328,6 +345,40 @@ def worker_shares(cap: int | None, num_workers: int) -> list[int | None]:
         return [None] * num_workers
     base, extra = divmod(cap, num_workers)
     return [base + (1 if index < extra else 0) for index in range(num_workers)]
+
+
+#: Seconds a liveness probe of the driver or coordinator may take before the actor counts as alive (busy).
+_PROBE_S = 30.0
+_ROLES = (("driver", "ShardDriver"), ("coordinator", "RunCoordinator"))
+
+
+async def _raise_if_run_actor_lost(actors: RunActors, run_dir: str) -> None:
+    """Raise :class:`ActorLostError` naming the driver or coordinator when one of them died."""
+    import ray
+
+    for role, name in _ROLES:
+        handle = actors.driver if role == "driver" else actors.coordinator
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(handle.pid.remote().future()), _PROBE_S)
+        except ray.exceptions.RayActorError as exc:
+            reason = (str(exc).strip().splitlines() or ["no reason given"])[0]
+            raise ActorLostError(
+                f"the run's {role} actor ({name}) died ({reason[:200]}); the run cannot go on without it; "
+                f"{resume_hint(run_dir)}",
+                role=role,
+                run_dir=run_dir,
+            ) from None
+        except TimeoutError:
+            continue  # busy, not dead
+
+
+def resume_hint(run_dir: str) -> str:
+    """One sentence on whether a rerun continues ``run_dir`` (true only when the folder holds a plan)."""
+    from gym_ray.plan.shards import RUN_MANIFEST
+
+    if (Path(run_dir) / RUN_MANIFEST).exists():
+        return f"the run folder {run_dir} is resumable: rerun the same command to run only what is missing"
+    return f"nothing was recorded in {run_dir}: rerun the same command to start over"
 
 
 async def _stop_poller(poller: asyncio.Future[None] | None) -> None:
@@ -369,7 +420,7 @@ async def _teardown(
             await asyncio.gather(*runs, return_exceptions=True)
             runs.clear()
         if not graceful:
-            logger.warning("collect: stopping the run; the run folder is resumable (run again on it)")
+            logger.info("collect: stopping the run's actors")
         await _close_actors(handles, timeout_s=close_grace_s)
     finally:
         for handle in [*actors.workers.values(), actors.driver, actors.coordinator]:
@@ -403,11 +454,45 @@ async def _ray_connection(address: str | None) -> Any:
     if ray.is_initialized():
         yield ray
         return
-    await asyncio.to_thread(functools.partial(ray.init, **ray_init_kwargs(address)))
+    # Ray's own start-up lines and the actors' log lines (forwarded with ANSI colour prefixes) are not
+    # printed: every error crosses as a typed exception and is reported once by the caller. The actors'
+    # logs stay in Ray's session folder (/tmp/ray/session_latest/logs on the head node).
+    quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
+    init = functools.partial(ray.init, **ray_init_kwargs(address), **quiet)
+    try:
+        await asyncio.to_thread(init)
+    except Exception as exc:  # Ray raises bare Exception / RuntimeError / ConnectionError here
+        where = (
+            f"join the Ray cluster at {address or os.environ.get('RAY_ADDRESS')}"
+            if address or os.environ.get("RAY_ADDRESS")
+            else "start a local Ray"
+        )
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise GymRayError(
+            f"could not {where}: {text}; nothing was dispatched. Check the address or the machine's load, "
+            "then rerun"
+        ) from exc
+    _restore_sigterm()
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+def _restore_sigterm() -> None:
+    """Give SIGTERM back to Python after ``ray.init``.
+
+    Ray's core worker installs a C-level SIGTERM handler in the driver process that prints a stack dump and
+    aborts; Python's own handler (e.g. the one :func:`gym_ray.run.signals.run_until_signal` set, which
+    stops the run like Ctrl-C) still stands at the Python level, so re-installing it re-arms it.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGTERM)
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
 
 
 def _default_num_workers(ray_module: Any) -> int:
@@ -423,6 +508,8 @@ async def acollect(
     overrides: Sequence[str] = (),
     rows: Iterable[Mapping[str, Any]] | None = None,
     progress: bool | None = None,
+    progress_every_s: float = 1.0,
+    require_complete: bool = False,
     **settings: Any,
 ) -> RunResult:
     """Collect a whole config on Ray; usable from a running event loop (a notebook cell).
@@ -443,7 +530,11 @@ async def acollect(
             object store).
         progress: Show a live progress line on stderr (done/total, rate, failures, ETA, mean reward by
             environment server), refreshed every second from the workers' counters; default: when
-            stderr is a TTY.
+            stderr is a TTY. Off a TTY each update is a plain line (for batch logs).
+        progress_every_s: Seconds between two progress lines (``gym-ray run`` uses 30 off a TTY).
+        require_complete: Raise :class:`~gym_ray.errors.IncompleteRunError` when the run ends with failed
+            or pending rollouts beyond ``max_failed_fraction`` (after the run folder is finalized; the
+            result's ``complete`` says the same without raising).
         **settings: Run settings set on top of the config (``output_dir=...``, ``shard_size=...``).
 
     Returns:
@@ -453,36 +544,31 @@ async def acollect(
     and every worker links its rollouts' root spans to it (:mod:`gym_ray.observe.tracing`).
 
     Raises:
-        ConfigError: Bad config or settings (before Ray starts).
+        ConfigError / InputError / RecordError / ServerError: Bad config, input, ``output_dir``, worker count
+            or an unreachable environment server (:func:`gym_ray.run.preflight.preflight`, before Ray starts).
         RunLockError: Another run holds ``output_dir`` (before Ray starts).
         GymRayError: Planning or a shard failed; the run folder is resumable.
+        ActorLostError: The driver or coordinator actor died; the run folder is resumable.
+        IncompleteRunError: ``require_complete`` and the run is not complete.
         CancelledError: Cancelled; the actors are stopped, the run folder is resumable.
     """
     started = time.monotonic()
     # Config errors surface here, before Ray starts; a head-only config is completed from the head.
     run = await resolve_run_config(config, overrides=overrides, settings=settings)
     run_settings = run.settings
-    if run_settings.output_dir is None:
-        raise ConfigError(
-            "config key 'output_dir' is not set: a distributed run needs a run folder; pass output_dir=...",
-            key="output_dir",
-        )
-    if rows is None and run_settings.input_jsonl_fpath is None:
-        raise ConfigError(
-            "config key 'input_jsonl_fpath' is not set and no rows were passed: pass input_jsonl_fpath=... "
-            "or rows=[...]",
-            key="input_jsonl_fpath",
-        )
-    run_dir = str(Path(run_settings.output_dir))
+    row_list = [dict(row) for row in rows] if rows is not None else None
+    # Everything knowable before dispatch (input, output_dir, workers, servers) is refused here.
+    await preflight(run, rows=row_list, num_workers=num_workers)
+    run_dir = str(Path(str(run_settings.output_dir)))
     tracer = setup_tracing(run.tracing)
     show = sys.stderr.isatty() if progress is None else progress
     lock = RunLock(run_dir, what="collect").acquire()  # before Ray starts: a busy folder is refused at once
-    view = ProgressView(stream=sys.stderr, enabled=True) if show else None
+    view = ProgressView(stream=sys.stderr, enabled=True, interval_s=progress_every_s) if show else None
     try:
         sweep_leftovers(run_dir)  # temp folders of a killed run on this folder
         async with _ray_connection(address) as ray:
             workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
-            rows_ref = ray.put([dict(row) for row in rows]) if rows is not None else None
+            rows_ref = ray.put(row_list) if row_list is not None else None
             planner = functools.partial(plan_from_config, run, rows_ref, workers)
             with job_span(tracer, run_dir=run_dir) as span:
                 try:
@@ -501,7 +587,6 @@ async def acollect(
                 clear_outage(run_dir)
                 if span is not None:
                     span.set_attribute(ATTR_RUN_ID, result.run_id)
-            return result
     finally:
         try:
             await _flush(tracer)  # the job span is exported when collect returns or raises
@@ -509,6 +594,10 @@ async def acollect(
             lock.release()
             if view is not None:
                 view.close()
+
+    if require_complete and not result.complete:
+        raise incomplete_error(result)
+    return result
 
 
 async def _flush(tracer: Tracer | None) -> None:
@@ -525,6 +614,8 @@ def collect(
     overrides: Sequence[str] = (),
     rows: Iterable[Mapping[str, Any]] | None = None,
     progress: bool | None = None,
+    progress_every_s: float = 1.0,
+    require_complete: bool = False,
     **settings: Any,
 ) -> RunResult:
     """Collect a whole config on Ray (blocking). Same arguments as :func:`acollect`.
@@ -536,6 +627,7 @@ def collect(
     Raises:
         UsageError: Called from a running event loop; use ``await acollect(...)`` there.
         KeyboardInterrupt: Ctrl-C; the actors are stopped first and the run folder is resumable.
+        RunTerminated: SIGTERM (in the main thread), handled like Ctrl-C; a ``KeyboardInterrupt``.
     """
     try:
         asyncio.get_running_loop()
@@ -546,7 +638,7 @@ def collect(
             "collect() was called from a running event loop (a notebook cell?); "
             "use `await acollect(...)` there"
         )
-    return asyncio.run(
+    return run_until_signal(
         acollect(
             config,
             address=address,
@@ -554,6 +646,8 @@ def collect(
             overrides=overrides,
             rows=rows,
             progress=progress,
+            progress_every_s=progress_every_s,
+            require_complete=require_complete,
             **settings,
         )
     )

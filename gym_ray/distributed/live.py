@@ -28,7 +28,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from gym_ray.observe.progress import ProgressDisplay
@@ -50,6 +50,8 @@ class ProgressSnapshot:
         by_server: Environment server -> (successes of this run, their reward sum).
         already_done: Of ``done``, the rows an earlier run of the same folder settled (counted when
             their shard finishes, so they arrive in jumps; the rate leaves them out).
+        failed_by_class: Failure records by class, over the *finished* shards of this run (a running shard's
+            failures count in ``failed`` only until its report arrives).
     """
 
     total: int | None
@@ -57,6 +59,7 @@ class ProgressSnapshot:
     failed: int
     by_server: dict[str, tuple[int, float]]
     already_done: int = 0
+    failed_by_class: dict[str, int] = field(default_factory=dict)
 
 
 ProgressHook = Callable[[ProgressSnapshot], None]
@@ -89,6 +92,7 @@ async def progress_snapshot(coordinator: Any, workers: Iterable[Any]) -> Progres
         failed=failed,
         by_server=by_server,
         already_done=status.already_done,
+        failed_by_class=dict(status.failed_by_class),
     )
 
 
@@ -178,6 +182,7 @@ class ProgressView:
             failed=snapshot.failed,
             by_server=snapshot.by_server,
             rate_count=snapshot.done - snapshot.already_done,
+            failed_by_class=snapshot.failed_by_class,
         )
 
     def close(self) -> None:

@@ -98,6 +98,7 @@ class ProgressDisplay:
         self.by_server: dict[str, tuple[int, float]] = {}
         #: Appended to the line when not empty (server health: ``"calc_env down 12s"``).
         self.note = ""
+        self.failed_by_class: dict[str, int] = {}
 
     def update(
         self,
@@ -106,6 +107,7 @@ class ProgressDisplay:
         failed: int,
         by_server: Mapping[str, tuple[int, float]],
         rate_count: int | None = None,
+        failed_by_class: Mapping[str, int] | None = None,
     ) -> None:
         """Take the counts as they stand and render if ``interval_s`` has passed since the last line.
 
@@ -115,11 +117,13 @@ class ProgressDisplay:
             by_server: Environment server -> (successes, sum of their rewards).
             rate_count: The count the rate is measured on, when it differs from ``done`` (e.g. without
                 the rows an earlier run of the same folder settled, which arrive in jumps).
+            failed_by_class: Failures by class, shown after the failure count when not empty.
         """
         self.meter.observe(done if rate_count is None else rate_count)
         self.done = done
         self.failed = failed
         self.by_server = dict(by_server)
+        self.failed_by_class = dict(failed_by_class or {})
         if not self.enabled or self._closed:
             return
         now = self._clock()
@@ -136,7 +140,9 @@ class ProgressDisplay:
         percent = 100.0 * self.done / self.total if self.total else 100.0
         eta_s = self.meter.eta_s(self.total - self.done, now=now)
         eta = "--" if eta_s is None else format_duration(eta_s)
-        line = f"{self.done}/{self.total} ({percent:.1f}%) {rate}/s failed {self.failed} ETA {eta}"
+        classes = ", ".join(f"{k}={v}" for k, v in sorted(self.failed_by_class.items()))
+        failed = f"{self.failed} ({classes})" if classes else str(self.failed)
+        line = f"{self.done}/{self.total} ({percent:.1f}%) {rate}/s failed {failed} ETA {eta}"
         if self.by_server:
             means = " ".join(
                 f"{name} {_mean(successes, reward_sum)}"

@@ -36,7 +36,7 @@ from gym_ray import keys
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
-from gym_ray.errors import GymRayError, ResumeError, UsageError
+from gym_ray.errors import GymRayError, RecordError, ResumeError, UsageError
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan.load import load_jsonl
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
@@ -147,12 +147,16 @@ def _write_run_manifest(
     shard_size: int,
     num_shards: int | None,
     planned: int | None,
+    run_rows: int | None = None,
 ) -> None:
     manifest = {
         "run_id": run_id,
         "config_identity": config_identity,
         "num_shards": num_shards,
         "planned": planned,
+        # The run's full size, known from the validation pass before the first shard is cut: an interrupted
+        # run's status counts the rows not planned yet (gym_ray.record.status, gym_ray.record.ledger).
+        "run_rows": run_rows if run_rows is not None else (existing or {}).get("run_rows"),
         "shard_size": shard_size,
         "created_at": existing.get("created_at") if existing else time.time(),
     }
@@ -256,7 +260,8 @@ def iter_plan(
     For rows that were validated already (:func:`iter_prepare_run`): a consumer can dispatch shard ``i``
     while shard ``i + 1`` is being cut, and memory holds one shard's digest state, never the plan.
     Before the first shard the run manifest is written with ``num_shards``/``planned`` null (so the run
-    id survives a kill during planning); after the last shard it is rewritten with the totals. On resume
+    id survives a kill during planning) and ``run_rows`` (the run's full size, when known); after the last
+    shard it is rewritten with the totals. On resume
     each existing shard is checked against the new cut (digest of its materialized inputs) before it is
     yielded; a shard count that differs from the finished manifest's raises when it shows.
 
@@ -274,21 +279,54 @@ def iter_plan(
 
     Raises:
         ResumeError: The folder holds a run whose config identity, inputs or shard count differ.
+        RecordError: The folder cannot be written (disk full, permissions); the message names the path.
     """
     size = _shard_size(shard_size)
     root = Path(run_dir)
+    try:
+        yield from _iter_plan(
+            rows,
+            root,
+            size=size,
+            config_identity=config_identity,
+            max_rollout_attempts=max_rollout_attempts,
+            run_id=run_id,
+            run_rows=run_rows,
+        )
+    except OSError as exc:
+        if isinstance(exc, GymRayError):
+            raise
+        where = exc.filename or root
+        raise RecordError(
+            f"planning the run folder {root} failed writing {where}: {exc.strerror or exc}; free space on "
+            "that disk (or pass an output_dir on a larger one), then rerun the same command"
+        ) from exc
+
+
+def _iter_plan(
+    rows: Iterable[dict[str, Any]],
+    root: Path,
+    *,
+    size: int,
+    config_identity: str | None,
+    max_rollout_attempts: int,
+    run_id: str | None,
+    run_rows: int | None,
+) -> Generator[ShardSpec, None, None]:
+    """:func:`iter_plan`'s body (which maps the file system's errors to one line naming the path)."""
     root.mkdir(parents=True, exist_ok=True)
     run_id, existing = _open_run(root, config_identity, run_id)
     expected = existing.get("num_shards") if existing else None
-    if existing is None:
+    if existing is None or (run_rows is not None and existing.get("run_rows") != run_rows):
         _write_run_manifest(
             root,
-            None,
+            existing,
             run_id=run_id,
             config_identity=config_identity,
             shard_size=size,
-            num_shards=None,
-            planned=None,
+            num_shards=expected,
+            planned=existing.get("planned") if existing else None,
+            run_rows=run_rows,
         )
     staging = root / f".staging-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
@@ -321,6 +359,7 @@ def iter_plan(
         shard_size=size,
         num_shards=count,
         planned=planned,
+        run_rows=run_rows,
     )
 
 
@@ -333,6 +372,15 @@ def _shard_count_error(root: Path, expected: int, got: int | str) -> ResumeError
 
 def _stage_shards(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Iterator[tuple[str, int, str]]:
     """Write each shard's rows to ``staging``; yields (label, rows, sha256) once a shard is closed."""
+    try:
+        yield from _stage_rows(rows, staging, size)
+    except OSError as exc:
+        if exc.filename is None:  # a write or close error names no file: name the staging folder
+            exc.filename = str(staging)
+        raise
+
+
+def _stage_rows(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Iterator[tuple[str, int, str]]:
     index = 0
     count = 0
     last_task: Any = object()

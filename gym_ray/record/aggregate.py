@@ -453,10 +453,11 @@ async def aggregate_run(
     client: ServerClient,
     *,
     raise_on_error: bool = False,
+    output_path: str | os.PathLike[str] | None = None,
 ) -> Path | None:
     """Aggregate a run folder: read ``rollouts.jsonl`` (merging the shards first when it is missing).
 
-    Writes ``<run_dir>/rollouts_aggregate_metrics.json``. The merged file is streamed.
+    Writes ``<run_dir>/rollouts_aggregate_metrics.json`` (or ``output_path``). The merged file is streamed.
 
     Args:
         run_dir: the run folder.
@@ -476,7 +477,7 @@ async def aggregate_run(
         _iter_records(merged),
         topology,
         client,
-        output_path=folder / AGGREGATE_FILE_NAME,
+        output_path=Path(output_path) if output_path is not None else folder / AGGREGATE_FILE_NAME,
         raise_on_error=raise_on_error,
     )
 

@@ -11,7 +11,9 @@ never records. Terms, over the source:
 - *settled*: identities with a success, a terminal failure (``_ng_failure_terminal`` true), or at least
   ``max_rollout_attempts`` failure lines: the ones resume never runs again. Drained and killed rows leave
   no line, so they are not settled.
-- ``P`` (planned): the ``planned`` argument, else every identity in the shards' materialized inputs.
+- ``P`` (planned): the ``planned`` argument, else every identity in the shards' materialized inputs; a
+  folder whose shards have no materialized inputs (a stream's ``record_dir``) is judged by what it
+  recorded: ``P`` = *recorded*.
 - ``A`` (acknowledged): the ``acknowledged`` argument (identities the collector reported recorded).
 
 Figures:
@@ -28,14 +30,19 @@ wasted_requests     with ``request_counts`` (identity -> /run requests the serve
                     attempts being the attempt indices of its success and failure lines in the shard
                     files. It counts requests whose outcome was not kept: re-dispatches of an already
                     recorded attempt, requests cut off by a kill or a drain, replays. Reported, not judged.
+unplanned           rows of the run not cut into shards yet (the run manifest's ``run_rows`` minus the
+                    identities in the materialized inputs; a run interrupted while planning). Counted in
+                    ``planned``; 0 when ``planned`` is passed.
 =================== ============================================================================
 
-``ok`` is true when lost, missing, duplicates, unexpected, corrupt_lines and unidentified_lines are 0.
+``ok`` is true when lost, missing, duplicates, unexpected, corrupt_lines, unidentified_lines and unplanned
+are 0.
 The check only reads; it takes no locks.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
@@ -46,6 +53,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gym_ray import keys
 from gym_ray.errors import ConfigError, InputError
+from gym_ray.plan.shards import RUN_MANIFEST
 from gym_ray.record.jsonl import JsonlReader
 from gym_ray.record.shard_files import Identity, list_shards, record_identity, shard_paths
 
@@ -72,6 +80,7 @@ class LedgerReport(BaseModel):
     corrupt_lines: int
     unidentified_lines: int
     wasted_requests: int | None
+    unplanned: int = 0
     lost_ids: tuple[Identity, ...]
     missing_ids: tuple[Identity, ...]
     duplicate_ids: tuple[Identity, ...]
@@ -88,7 +97,14 @@ class LedgerReport(BaseModel):
             or self.unexpected
             or self.corrupt_lines
             or self.unidentified_lines
+            or self.unplanned
         )
+
+    def __str__(self) -> str:
+        """A short summary line (the identities behind each figure are in the ``*_ids`` fields)."""
+        verdict = "ok" if self.ok else "NOT ok"
+        figures = ", ".join(f"{k} {v}" for k, v in self.as_dict().items() if k not in ("source", "ok"))
+        return f"ledger of {self.run_dir} ({self.source}): {verdict}: {figures}"
 
     def as_dict(self) -> dict[str, Any]:
         """The figures as a flat dict (for printing a scenario's result)."""
@@ -100,6 +116,7 @@ class LedgerReport(BaseModel):
             "corrupt_lines": self.corrupt_lines,
             "unidentified_lines": self.unidentified_lines,
             "wasted_requests": self.wasted_requests,
+            "unplanned": self.unplanned,
             "planned": self.planned,
             "recorded": self.recorded,
             "settled": self.settled,
@@ -187,6 +204,12 @@ def check_run(
         for identity, _ in scan.identified(paths.materialized_inputs, skip_omitted=False):
             default_planned.add(identity)
     planned_set = set(planned) if planned is not None else default_planned
+    # A stream's record_dir has shards but no materialized inputs (rows arrive while it runs): judge it by
+    # what it recorded, so that only lost, duplicate, corrupt and unsettled records count against it.
+    recorded_is_plan = (
+        planned is None and bool(shards) and not any(p.materialized_inputs.exists() for p in shards)
+    )
+    unplanned = 0 if planned is not None else max(0, (_run_rows(base) or 0) - len(default_planned))
 
     # Shard files are always read: for corrupt lines, and for attempts when request counts are given.
     shard_successes: Counter[Identity] = Counter()
@@ -223,6 +246,8 @@ def check_run(
     maxed = {identity for identity, count in failure_counts.items() if count >= max_rollout_attempts}
     success_ids = set(successes)
     recorded = success_ids | set(failure_counts)
+    if recorded_is_plan:
+        planned_set = set(recorded)
     settled = success_ids | terminal | maxed
     acknowledged_set = set(acknowledged) if acknowledged is not None else set()
 
@@ -238,7 +263,8 @@ def check_run(
     return LedgerReport(
         run_dir=str(base),
         source=source,
-        planned=len(planned_set),
+        planned=len(planned_set) + unplanned,
+        unplanned=unplanned,
         recorded=len(recorded),
         settled=len(settled),
         lost=len(lost_ids),
@@ -254,6 +280,15 @@ def check_run(
         unexpected_ids=tuple(unexpected_ids),
         corrupt_by_file=dict(sorted(scan.corrupt.items())),
     )
+
+
+def _run_rows(base: Path) -> int | None:
+    """The run's full size from its run manifest (``run_rows``), or None when not recorded."""
+    try:
+        value = json.loads((base / RUN_MANIFEST).read_text(encoding="utf-8")).get("run_rows")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if type(value) is int and value >= 0 else None
 
 
 def _slim(record: Mapping[str, Any]) -> dict[str, Any]:

@@ -27,20 +27,30 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from gym_ray import keys
-from gym_ray.errors import InputError, ResumeError, UsageError
+from gym_ray.errors import AggregationError, InputError, ResumeError, UsageError
 from gym_ray.observe.rate import RateMeter
 from gym_ray.plan.resume import plan_resume
+from gym_ray.plan.shards import RUN_MANIFEST
 from gym_ray.record.aggregate import (
     AGGREGATE_FILE_NAME,
     AggregateEntry,
-    raise_for_aggregation_errors,
     read_metrics_summary,
 )
 from gym_ray.record.jsonl import JsonlReader
 from gym_ray.record.outage_note import read_outage
 from gym_ray.record.shard_files import list_shards, record_identity, shard_paths
 
-__all__ = ["RunStatus", "ShardStatus", "aggregate_main", "format_status", "run_status", "status_main"]
+__all__ = [
+    "AGGREGATE_ERRORS_FILE",
+    "RUN_COMMAND_FILE",
+    "RunStatus",
+    "ShardStatus",
+    "aggregate_main",
+    "format_status",
+    "record_run_command",
+    "run_status",
+    "status_main",
+]
 
 _DEFAULT_MAX_ATTEMPTS = 3
 
@@ -78,7 +88,10 @@ class ShardStatus(BaseModel):
 class RunStatus(BaseModel):
     """A run folder's status: per-shard counts, totals, what resume would run, rate and ETA.
 
-    Totals sum the shards (``pending`` and friends over the shards that could be planned).
+    Totals sum the shards (``pending`` and friends over the shards that could be planned). ``planned`` is
+    the run's full size when its run manifest records it (a run interrupted while planning has cut only
+    part of its shards); ``unplanned`` is the rows not cut into shards yet, counted in ``pending``.
+    Rows and attempts are apart: ``succeeded`` counts rows, ``failed_attempts`` failure lines.
     ``rate_per_s`` is rollout attempts recorded per second (a :class:`~gym_ray.observe.rate.RateMeter`):
     the attempts the shards' progress files counted, between the earliest manifest and the latest
     progress update (a live run's running shards rewrite theirs every few seconds, so the counts and the
@@ -110,6 +123,7 @@ class RunStatus(BaseModel):
     aggregate_servers: int | None
     aggregate_failed: tuple[str, ...]
     server_outage: str | None = None
+    unplanned: int = 0
 
     @property
     def complete(self) -> bool:
@@ -200,6 +214,12 @@ def _shard_status(run_dir: Path, shard: str) -> ShardStatus:
     )
 
 
+def _run_rows(run_dir: Path) -> int | None:
+    """The run's full size as its run manifest records it (None when unknown)."""
+    value = _read_number(run_dir / RUN_MANIFEST, "run_rows")
+    return int(value) if value is not None else None
+
+
 def _aggregate_summary(run_dir: Path) -> tuple[int | None, tuple[str, ...]]:
     path = run_dir / AGGREGATE_FILE_NAME
     try:
@@ -251,7 +271,8 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
     updated = [s.updated_at for s in shards if s.updated_at is not None]
     started_at = min(created) if created else None
     updated_at = max(updated) if updated else None
-    pending = total("pending")
+    unplanned = max(0, (_run_rows(folder) or 0) - total("planned"))
+    pending = total("pending") + unplanned
     rate = eta = None
     attempts = sum(s.progress_attempts or 0 for s in shards)
     if started_at is not None and updated_at is not None and updated_at > started_at and attempts > 0:
@@ -264,7 +285,8 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
     return RunStatus(
         run_dir=str(folder),
         shards=shards,
-        planned=total("planned"),
+        planned=total("planned") + unplanned,
+        unplanned=unplanned,
         succeeded=total("succeeded"),
         failed_attempts=total("failed_attempts"),
         failed_by_class=dict(sorted(by_class.items())),
@@ -302,7 +324,7 @@ def _outage_line(folder: Path) -> str | None:
 _COLUMNS = (
     ("planned", "planned"),
     ("succeeded", "succeeded"),
-    ("failed_attempts", "failed"),
+    ("failed_attempts", "failed_attempts"),
     ("terminal", "terminal"),
     ("maxed_out", "maxed"),
     ("pending", "pending"),
@@ -349,8 +371,10 @@ def format_status(status: RunStatus) -> str:
     ]
     if status.failed_by_class:
         out.append("failures by class: " + ", ".join(f"{k}={v}" for k, v in status.failed_by_class.items()))
+    unplanned = f", {status.unplanned} not cut into shards yet" if status.unplanned else ""
     out.append(
-        f"resume would run: {status.pending} rollout(s) ({status.retrying} with earlier failed attempts)"
+        f"resume would run: {status.pending} rollout(s) ({status.retrying} with earlier failed attempts"
+        f"{unplanned})"
     )
     if status.rate_per_s is not None:
         eta = f"; ETA {_duration(status.eta_s)}" if status.eta_s else ""
@@ -408,14 +432,52 @@ def _split_config_args(items: Sequence[str]) -> tuple[list[str], list[str]]:
     return paths, overrides
 
 
-async def _aggregate(run_dir: Path, cfg: dict[str, Any]) -> tuple[Path | None, list[AggregateEntry]]:
-    from gym_ray.config.topology import Topology
+#: The config a ``gym-ray run`` used, recorded in its run folder: ``{"config": [absolute paths],
+#: "overrides": [...]}`` (overrides whose key names a secret are left out). ``gym-ray aggregate RUN_DIR``
+#: reads it when no config is given.
+RUN_COMMAND_FILE = "gym_ray_run.json"
+#: Beside the metrics file: the entries of the last ``gym-ray aggregate`` that failed.
+AGGREGATE_ERRORS_FILE = "rollouts_aggregate_metrics.errors.json"
+_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential")
+
+
+def record_run_command(
+    run_dir: str | os.PathLike[str], paths: Sequence[str], overrides: Sequence[str]
+) -> None:
+    """Record the config files and overrides of a run in its folder (for ``gym-ray aggregate RUN_DIR``).
+
+    Overrides whose key looks like a secret (``api_key``, ``token``, ...) are not written.
+    """
+    from gym_ray.record.atomic import atomic_write_bytes
+
+    kept = [o for o in overrides if not any(w in o.partition("=")[0].lower() for w in _SECRET_WORDS)]
+    body = {"config": [os.path.abspath(p) for p in paths], "overrides": kept}
+    atomic_write_bytes(Path(run_dir) / RUN_COMMAND_FILE, (json.dumps(body, indent=2) + "\n").encode())
+
+
+def _recorded_config(run_dir: Path) -> tuple[list[str], list[str]]:
+    path = run_dir / RUN_COMMAND_FILE
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+        paths, overrides = list(body["config"]), list(body["overrides"])
+    except FileNotFoundError:
+        raise UsageError(
+            f"run folder {run_dir} does not record the config its run used ({RUN_COMMAND_FILE}); pass it: "
+            f"gym-ray aggregate {run_dir} CONFIG.yaml"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(
+            f"{path} cannot be read ({exc}); pass the config: gym-ray aggregate {run_dir} CONFIG.yaml"
+        ) from exc
+    return [str(p) for p in paths], [str(o) for o in overrides]
+
+
+async def _aggregate(run_dir: Path, topology: Any, output: Path) -> tuple[Path | None, list[AggregateEntry]]:
     from gym_ray.dispatch.client import ServerClient
     from gym_ray.record.aggregate import aggregate_run
 
-    topology = Topology.from_config(cfg)
     async with ServerClient(topology) as client:
-        path = await aggregate_run(run_dir, topology, client, raise_on_error=False)
+        path = await aggregate_run(run_dir, topology, client, raise_on_error=False, output_path=output)
     if path is None:
         return None, []
     raw = await asyncio.to_thread(path.read_text, encoding="utf-8")
@@ -423,32 +485,41 @@ async def _aggregate(run_dir: Path, cfg: dict[str, Any]) -> tuple[Path | None, l
 
 
 def aggregate_main(args: argparse.Namespace) -> int:
-    """``gym-ray aggregate RUN_DIR CONFIG... [key=value ...]``: merge the shards, compute the metrics.
+    """``gym-ray aggregate RUN_DIR [CONFIG... key=value ...]``: merge the shards, compute the metrics.
 
-    Merges the run folder's shards into ``rollouts.jsonl``, calls ``/aggregate_metrics`` on each
-    environment server of the config (its servers must be running at the addresses the config names),
-    writes ``rollouts_aggregate_metrics.json`` and prints the key metrics per server.
+    Takes whatever ``gym-ray run`` took (a head-only config is completed from the head server); without a
+    config, the one the run recorded in its folder. Merges the shards into ``rollouts.jsonl``, calls
+    ``/aggregate_metrics`` on each environment server (running at the addresses the config names) and
+    prints the key metrics per server.
+
+    Never makes the folder worse: the new metrics are written beside the old file and replace
+    ``rollouts_aggregate_metrics.json`` only when every server answered; otherwise the previous file is
+    left byte for byte and the failed entries go to ``rollouts_aggregate_metrics.errors.json``.
 
     Returns:
         0 on success.
 
     Raises:
-        AggregationError: one or more servers failed (their entries hold the error; others are saved).
+        UsageError: No run folder, or no config given or recorded.
+        AggregationError: One or more servers failed (the previous metrics file is unchanged).
     """
-    from gym_ray.config.settings import load_config
+    from gym_ray.config.run_config import resolve_run_config
     from gym_ray.record.merge import merge_shards
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"run folder {run_dir} does not exist; pass the folder a run wrote")
-    paths, overrides = _split_config_args(args.config)
-    cfg = load_config(paths, overrides)
+    items = list(getattr(args, "config", None) or [])
+    paths, overrides = _split_config_args(items) if items else _recorded_config(run_dir)
+    run = asyncio.run(resolve_run_config(paths, overrides=overrides))
     merged = merge_shards(run_dir)
     print(
         f"merged {len(merged.shards)} shard(s): {merged.successes} success(es), {merged.failures} failure "
         f"line(s) -> {merged.successes_path.name}"
     )
-    path, entries = asyncio.run(_aggregate(run_dir, cfg))
+    final = run_dir / AGGREGATE_FILE_NAME
+    fresh = run_dir / f".{AGGREGATE_FILE_NAME}.new"
+    path, entries = asyncio.run(_aggregate(run_dir, run.topology, fresh))
     if path is None:
         print(f"no successes in {run_dir}: nothing to aggregate, no metrics file written")
         return 0
@@ -458,6 +529,25 @@ def aggregate_main(args: argparse.Namespace) -> int:
             print(f"  aggregation failed: {entry.aggregation_error}")
         else:
             print(json.dumps(entry.key_metrics, indent=2))
-    print(f"\nwrote {path}")
-    raise_for_aggregation_errors(entries)
+    failed = [e.environment_server for e in entries if e.aggregation_error is not None]
+    if failed:
+        errors = run_dir / AGGREGATE_ERRORS_FILE
+        os.replace(fresh, errors)
+        kept = f"the previous {final.name} is unchanged" if final.exists() else f"no {final.name} was written"
+        raise AggregationError(
+            f"/aggregate_metrics failed for {', '.join(failed)}; {kept}; the failed entries are in {errors}. "
+            f"Start the servers the config names and rerun `gym-ray aggregate {run_dir}`",
+            servers={e.environment_server: str(e.aggregation_error) for e in entries if e.aggregation_error},
+        )
+    os.replace(fresh, final)
+    _fsync_dir(run_dir)
+    print(f"\nwrote {final}")
     return 0
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

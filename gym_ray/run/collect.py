@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,7 +32,7 @@ from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.engine import dispatch
 from gym_ray.dispatch.health import ServerHealth, current_health, health_scope
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
-from gym_ray.errors import NoProgressError, RunRejectedError, ServerOutageError
+from gym_ray.errors import IncompleteRunError, NoProgressError, RunRejectedError, ServerOutageError
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
 from gym_ray.observe.tracing import job_span, run_scope, setup_tracing
 from gym_ray.plan.resume import plan_resume
@@ -58,6 +58,7 @@ from gym_ray.record.outage_note import clear_outage, write_outage
 from gym_ray.record.run_lock import RunLock, sweep_leftovers
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error
+from gym_ray.run.preflight import preflight
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -70,6 +71,7 @@ __all__ = [
     "acollect_local",
     "client_for",
     "finalize_run",
+    "incomplete_error",
     "input_rows",
     "plan_run",
     "prepare_run",
@@ -105,7 +107,16 @@ class ShardReport(BaseModel):
 
 
 class RunResult(BaseModel):
-    """The outcome of a whole collection: where things are, what happened, the headline metrics."""
+    """The outcome of a whole collection: where things are, what happened, the headline metrics.
+
+    Rows and attempts are counted apart. Every planned rollout (row) is in exactly one of
+    ``succeeded`` (it has a success), ``failed`` (no success, at least one failure attempt) and
+    ``pending`` (no outcome recorded: never dispatched, or drained), so the three add up to ``planned``.
+    ``failure_attempts`` counts the failure lines of the failed rows (a row tried three times counts three);
+    ``resumable`` is the rows a rerun on the same folder would dispatch (pending rows plus failed rows with
+    attempts left). ``complete`` is the exit status contract: no pending row, and failed rows at most
+    ``max_failed_fraction`` of the planned rows (0 by default).
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -127,6 +138,10 @@ class RunResult(BaseModel):
     num_workers: int
     key_metrics: dict[str, dict[str, Any]]
     aggregation_errors: dict[str, str]
+    pending: int
+    failure_attempts: int
+    resumable: int
+    complete: bool
     latency_ms: dict[str, float | None] = Field(default_factory=dict)
 
 
@@ -417,15 +432,12 @@ async def finalize_run(
     root = Path(plan.run_dir)
     merged = await asyncio.to_thread(merge_shards, root)
     settled = merged.successes + merged.terminal_failures
+    rows = await asyncio.to_thread(_row_counts, plan, settings)
     if settings.strict:
-        pending = sum(
-            plan_resume(root, spec.shard, max_rollout_attempts=settings.max_rollout_attempts).pending_count
-            for spec in plan.shards
-        )
         raise_for_completion_rejection(
             expected=plan.planned,
             completed=settled,
-            can_retry=pending > 0,
+            can_retry=rows.resumable > 0,
             made_progress=any(r.succeeded or r.failed for r in reports),
             strict=True,
         )
@@ -466,7 +478,11 @@ async def finalize_run(
         summary_path=str(root / SUMMARY_FILE),
         planned=plan.planned,
         succeeded=merged.successes,
-        failed=merged.failures,
+        failed=rows.failed,
+        pending=rows.pending,
+        failure_attempts=merged.failures,
+        resumable=rows.resumable,
+        complete=rows.pending == 0 and rows.failed <= settings.max_failed_fraction * plan.planned,
         failed_by_class=dict(failed_by_class),
         omitted=sum(r.omitted for r in reports),
         dispatched=dispatched,
@@ -500,6 +516,7 @@ async def acollect_local(
     rows: Iterable[Mapping[str, Any]] | None = None,
     overrides: Iterable[str] = (),
     progress: bool | None = None,
+    require_complete: bool = False,
     **settings: Any,
 ) -> RunResult:
     """Collect a whole config in this process: plan, run every shard, finalize.
@@ -514,28 +531,37 @@ async def acollect_local(
         progress: Show a :class:`~gym_ray.observe.progress.ProgressDisplay` on stderr (rollouts this call
         runs,
             rate, failures, ETA, mean reward per environment server); None shows it when stderr is a TTY.
+        require_complete: Raise :class:`~gym_ray.errors.IncompleteRunError` when the run ends with failed
+            or pending rollouts beyond ``max_failed_fraction`` (the run folder is finalized first).
         **settings: Run settings that win over the config (``output_dir=...``, ``num_repeats=4``).
 
     Returns:
         The run result (paths, counts, key metrics per environment server).
 
     Raises:
+        UsageError / RecordError / ServerError: :func:`gym_ray.run.preflight.preflight` refused the run
+            (nothing planned or sent).
         RunLockError: Another run holds ``output_dir`` (refused before planning or sending anything).
         ServerOutageError: An environment server stayed down past ``server_outage_timeout_s`` (resumable).
+        IncompleteRunError: ``require_complete`` and the run is not complete.
     """
     started = time.monotonic()
     run = await resolve_run_config(config, overrides=overrides, settings=settings)
+    await preflight(run, rows=rows)
     if run.settings.output_dir is None:
-        return await _collect_locked(run, rows, progress, started)
-    with RunLock(run.settings.output_dir, what="collect"):
-        sweep_leftovers(run.settings.output_dir)  # temp folders of a killed run on this folder
-        try:
-            result = await _collect_locked(run, rows, progress, started)
-        except ServerOutageError as exc:
-            write_outage(run.settings.output_dir, exc)  # for `status`: why the run is unfinished
-            raise
-        clear_outage(run.settings.output_dir)
-        return result
+        result = await _collect_locked(run, rows, progress, started)
+    else:
+        with RunLock(run.settings.output_dir, what="collect"):
+            sweep_leftovers(run.settings.output_dir)  # temp folders of a killed run on this folder
+            try:
+                result = await _collect_locked(run, rows, progress, started)
+            except ServerOutageError as exc:
+                write_outage(run.settings.output_dir, exc)  # for `status`: why the run is unfinished
+                raise
+            clear_outage(run.settings.output_dir)
+    if require_complete and not result.complete:
+        raise incomplete_error(result)
+    return result
 
 
 async def _collect_locked(
@@ -577,6 +603,52 @@ async def _collect_locked(
     finally:
         if tracer is not None:  # every span of the run is exported when it returns or raises
             await asyncio.to_thread(tracer.flush)
+
+
+def incomplete_error(result: RunResult, *, resume_command: str | None = None) -> IncompleteRunError:
+    """The one-line error of a run that ended with failed or pending rollouts.
+
+    Args:
+        result: The finalized run.
+        resume_command: The exact command that resumes it (the CLI passes its own command line);
+            default: "rerun on the same output_dir".
+    """
+    counts = (
+        f"{result.failed} failed and {result.pending} pending of {result.planned} planned rollouts "
+        f"({result.succeeded} succeeded, {result.failure_attempts} failed attempts)"
+    )
+    if result.resumable:
+        how = f"run `{resume_command}`" if resume_command else "run again on the same output_dir"
+        todo = f"{result.resumable} would run again: {how} to resume"
+    else:
+        todo = (
+            "none has attempts left (max_rollout_attempts); raise max_rollout_attempts and rerun to retry "
+            "them, or accept them with max_failed_fraction"
+        )
+    return IncompleteRunError(
+        f"run folder {result.run_dir} is incomplete: {counts}; {todo}",
+        run_dir=result.run_dir,
+        failed=result.failed,
+        pending=result.pending,
+        resumable=result.resumable,
+    )
+
+
+class _RowCounts(NamedTuple):
+    failed: int
+    pending: int
+    resumable: int
+
+
+def _row_counts(plan: RunPlan, settings: RunSettings) -> _RowCounts:
+    """Rows failed (no success, some failure attempt), pending (no outcome) and resumable, from the shards."""
+    failed = pending = resumable = 0
+    for spec in plan.shards:
+        shard = plan_resume(plan.run_dir, spec.shard, max_rollout_attempts=settings.max_rollout_attempts)
+        failed += shard.terminal + shard.maxed_out + shard.retrying
+        pending += shard.pending_count - shard.retrying
+        resumable += shard.pending_count
+    return _RowCounts(failed, pending, resumable)
 
 
 def _pending_count(plan: RunPlan, settings: RunSettings) -> int:

@@ -35,9 +35,10 @@ def _headline(result: RunResult) -> dict[str, dict[str, Any]]:
 def format_result(result: RunResult) -> str:
     """A compact, human-readable summary of a run: counts, throughput, metrics per server, paths."""
     lines = [
-        f"run {result.run_id}: {result.succeeded} succeeded, {result.failed} failed "
-        f"of {result.planned} planned "
-        f"({result.already_done} already on disk, {result.dispatched} dispatched)",
+        f"run {result.run_id}: {result.succeeded} succeeded, {result.failed} failed, "
+        f"{result.pending} pending of {result.planned} planned rollouts "
+        f"({result.failure_attempts} failed attempts; {result.already_done} already on disk, "
+        f"{result.dispatched} dispatched)",
         f"wall {result.wall_s:.1f} s, {result.rollouts_per_s:.0f} rollouts/s, {result.num_workers} workers",
     ]
     p50, p99 = result.latency_ms.get("p50"), result.latency_ms.get("p99")
@@ -111,17 +112,79 @@ def demo_main(args: argparse.Namespace) -> int:
 
 
 def run_main(args: argparse.Namespace) -> int:
-    """Run a collection from a config; returns the exit code."""
-    import asyncio
+    """``gym-ray run``: check, collect, print the summary; returns the exit status (see ``gym_ray.cli``).
 
-    from gym_ray.distributed.api import collect
-    from gym_ray.run.collect import acollect_local
+    Raises:
+        UsageError: Bad arguments or config, refused before Ray starts (exit 2).
+        IncompleteRunError: The run ended with failed or pending rollouts (exit 3); the summary is printed
+            first and the error names the exact command that resumes it.
+        KeyboardInterrupt / RunTerminated: Ctrl-C / SIGTERM; ``resume_hint`` tells whether a rerun continues.
+    """
+    import asyncio
+    import shlex
+
+    from gym_ray.config.run_config import resolve_run_config
+    from gym_ray.run.collect import acollect_local, incomplete_error
+    from gym_ray.run.preflight import check_workers
+    from gym_ray.run.signals import run_until_signal
 
     paths = [c for c in args.config if "=" not in c]
     overrides = [c for c in args.config if "=" in c]
-    if args.local:
-        result = asyncio.run(acollect_local(paths, overrides=overrides))
-    else:
-        result = collect(paths, overrides=overrides, address=args.address, num_workers=args.workers)
+    check_workers(args.workers, name="--workers")
+    every_s = _progress_interval(args.progress)
+    settings = {"health_check": False} if args.no_health_check else {}
+    run = asyncio.run(resolve_run_config(paths, overrides=overrides, settings=settings))
+    run_dir = str(run.settings.output_dir)
+    try:
+        if args.local:
+            result = run_until_signal(acollect_local(run, progress=every_s is not None and every_s <= 1.0))
+        else:
+            from gym_ray.distributed.api import collect
+
+            result = collect(
+                run,
+                address=args.address,
+                num_workers=args.workers,
+                progress=every_s is not None,
+                progress_every_s=every_s or 1.0,
+            )
+    except KeyboardInterrupt as exc:
+        from gym_ray.distributed.api import resume_hint
+
+        if run.settings.output_dir is not None:
+            exc.resume_hint = resume_hint(run_dir)  # type: ignore[attr-defined]
+        raise
+    finally:
+        _record_command(run_dir, paths, overrides)
     print(format_result(result))
+    if not result.complete:
+        raise incomplete_error(result, resume_command=shlex.join(["gym-ray", *args.argv]))
     return 0
+
+
+def _record_command(run_dir: str, paths: list[str], overrides: list[str]) -> None:
+    """Record the run's config in its folder when the run got as far as planning (for ``aggregate``)."""
+    from gym_ray.plan.shards import RUN_MANIFEST
+    from gym_ray.record.status import record_run_command
+
+    if (Path(run_dir) / RUN_MANIFEST).exists():
+        record_run_command(run_dir, paths, overrides)
+
+
+def _progress_interval(value: str) -> float | None:
+    """``--progress``: None = off; auto = 1 s on a TTY, 30 s otherwise; or a number of seconds."""
+    import sys
+
+    from gym_ray.errors import UsageError
+
+    if value == "off":
+        return None
+    if value == "auto":
+        return 1.0 if sys.stderr.isatty() else 30.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise UsageError(f"--progress is {value!r}; pass auto, off, or a number of seconds > 0")
+    return seconds

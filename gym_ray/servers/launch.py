@@ -402,13 +402,51 @@ def serve_main(args: argparse.Namespace) -> int:
     if not paths:
         raise ConfigError("gym-ray serve needs at least one YAML config file")
     cfg = load_config_files(paths, overrides)
+    run_config = getattr(args, "run_config", None) or RUN_CONFIG_FILE
     token = os.environ.get(TOKEN_ENV) or None
-    asyncio.run(_serve_until_signal(cfg, host=args.host, advertise_host=args.advertise_host, token=token))
+    asyncio.run(
+        _serve_until_signal(
+            cfg, host=args.host, advertise_host=args.advertise_host, run_config=run_config, token=token
+        )
+    )
     return 0
 
 
+#: Where ``gym-ray serve`` writes the head-only run config (``--run-config`` changes it).
+RUN_CONFIG_FILE = "gym-ray-run.yaml"
+
+
+def write_run_config(path: str, head_url: str) -> None:
+    """Write a head-only run config for ``gym-ray run``: the head server's host and port, nothing else.
+
+    A run given this file reads every server and routing key from the head's published config, so it
+    reaches the servers at the ports they really listen on.
+
+    Raises:
+        ConfigError: The file cannot be written.
+    """
+    host, _, port = head_url.removeprefix("http://").rpartition(":")
+    text = (
+        "# Written by `gym-ray serve`: the running head server. Pass it to `gym-ray run`; the run reads\n"
+        "# every server and routing key from the head. Rewritten each time `gym-ray serve` starts.\n"
+        f"head_server:\n  host: {host}\n  port: {int(port)}\n"
+    )
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the run config {path!r}: {exc.strerror or exc}; pass --run-config PATH elsewhere"
+        ) from exc
+
+
 async def _serve_until_signal(
-    cfg: dict[str, Any], *, host: str, advertise_host: str | None, token: str | None = None
+    cfg: dict[str, Any],
+    *,
+    host: str,
+    advertise_host: str | None,
+    run_config: str = RUN_CONFIG_FILE,
+    token: str | None = None,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -427,6 +465,12 @@ async def _serve_until_signal(
                     f"{deployment.head_token}",
                     flush=True,
                 )
+            write_run_config(run_config, deployment.head_url)
+            print(f"wrote {run_config} (the head server's address); collect your rows with:", flush=True)
+            print(
+                f"  gym-ray run {run_config} +input_jsonl_fpath=ROWS.jsonl +output_dir=runs/r1",
+                flush=True,
+            )
             await stop.wait()
             print("stopping", flush=True)
     finally:

@@ -383,6 +383,8 @@ def test_run_settings_defaults() -> None:
         "retain_results_in_memory": True,
         "upload_rollouts": True,
         "disable_health_check": True,
+        "health_check": True,
+        "max_failed_fraction": 0.0,
     }
 
 

@@ -100,6 +100,10 @@ async def fake_finalize(
         num_workers=num_workers,
         key_metrics={},
         aggregation_errors={},
+        pending=0,
+        failure_attempts=0,
+        resumable=0,
+        complete=True,
     )
 
 

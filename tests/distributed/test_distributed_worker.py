@@ -172,6 +172,10 @@ async def fake_finalize(
         num_workers=num_workers,
         key_metrics={},
         aggregation_errors={},
+        pending=0,
+        failure_attempts=0,
+        resumable=0,
+        complete=True,
     )
 
 
@@ -193,7 +197,11 @@ async def test_progress_is_absolute_and_exact_at_the_end_across_a_worker_replace
     )
     # 10 shards x 4 rows: per shard rows 0, 2 on env_a (1.0 each), row 1 on env_b (0.5), row 3 failed
     assert snapshots[-1] == ProgressSnapshot(
-        total=40, done=40, failed=10, by_server={"env_a": (20, 20.0), "env_b": (10, 5.0)}
+        total=40,
+        done=40,
+        failed=10,
+        by_server={"env_a": (20, 20.0), "env_b": (10, 5.0)},
+        failed_by_class={"agent_run_error": 10},
     )
     assert len(snapshots) >= 2
     assert all(s.total == 40 and 0 <= s.failed <= s.done <= 40 for s in snapshots)

@@ -213,3 +213,22 @@ async def test_local_collection_ends_with_the_final_line(deployment: Deployment,
             progress=True,
         )
     assert stderr.getvalue() == "0/0 (100.0%) 0.0/s failed 0 ETA 0s\n"
+
+
+def test_a_batch_log_gets_a_plain_line_per_interval_with_failures_by_class() -> None:
+    """Off a TTY (Slurm, kubectl logs): full lines, one per 30 s, failure classes after the count."""
+    clock = FakeClock()
+    stream = io.StringIO()
+    display = ProgressDisplay(100, stream=stream, clock=clock, interval_s=30.0, enabled=True)
+    clock.now += 10.0
+    display.update(done=10, failed=0, by_server={})
+    clock.now += 20.0  # 30 s after the start, 20 s after the first line: too soon
+    display.update(done=30, failed=2, by_server={}, failed_by_class={"agent_request_failed": 2})
+    clock.now += 10.0
+    display.update(
+        done=40, failed=3, by_server={}, failed_by_class={"timeout_exceeded": 1, "agent_request_failed": 2}
+    )
+    assert stream.getvalue() == (
+        "10/100 (10.0%) 1.0/s failed 0 ETA 1m30s\n"
+        "40/100 (40.0%) 1.0/s failed 3 (agent_request_failed=2, timeout_exceeded=1) ETA 1m00s\n"
+    )

@@ -74,6 +74,7 @@ def test_figures_over_shard_files(tmp_path: Path) -> None:
         "corrupt_lines": 1,
         "unidentified_lines": 0,
         "wasted_requests": 4,
+        "unplanned": 0,
         "planned": 7,
         "recorded": 6,
         "settled": 5,
@@ -99,6 +100,7 @@ def test_figures_over_merged_output_then_after_repair(tmp_path: Path) -> None:
         "corrupt_lines": 1,
         "unidentified_lines": 0,
         "wasted_requests": None,
+        "unplanned": 0,
         "planned": 7,
         "recorded": 6,
         "settled": 5,
@@ -148,3 +150,21 @@ def test_bad_arguments(tmp_path: Path) -> None:
         check_run(tmp_path / "nope")
     with pytest.raises(ConfigError, match="max_rollout_attempts=0"):
         check_run(tmp_path, max_rollout_attempts=0)
+
+
+def test_a_stream_record_dir_is_judged_by_what_it_recorded(tmp_path: Path) -> None:
+    """A stream's shards have no materialized inputs: its records are the plan, not 'unexpected'."""
+    for shard, records in (("w0-1", [rec(0, 0), rec(0, 1), rec(2, 0)]), ("w1-1", [rec(1, 0), rec(1, 0)])):
+        with ShardWriter(tmp_path, shard, run_id="stream", config_identity=None) as writer:
+            for record in records:
+                writer.append(record)
+    report = check_run(tmp_path)
+    assert (report.planned, report.recorded, report.unexpected, report.missing, report.duplicates) == (
+        4,
+        4,
+        0,
+        0,
+        1,
+    )
+    assert report.duplicate_ids == ((1, 0),)
+    assert report.ok is False  # the duplicate still counts

@@ -160,11 +160,11 @@ def test_run_status_counts_a_partial_run(tmp_path: Path) -> None:
     assert format_status(status) == "\n".join(
         [
             f"run {run_dir}: 3 shard(s), 2 rollout(s) pending",
-            "shard  planned  succeeded  failed  terminal  maxed  pending  omitted",
-            "s0           4          2       4         0      1        1        0",
-            "s1           3          1       1         1      0        1        1",
-            "s2           -          1       0         -      -        -        0",
-            "total        7          4       5         1      1        2        1",
+            "shard  planned  succeeded  failed_attempts  terminal  maxed  pending  omitted",
+            "s0           4          2                4         0      1        1        0",
+            "s1           3          1                1         1      0        1        1",
+            "s2           -          1                0         -      -        -        0",
+            "total        7          4                5         1      1        2        1",
             "failures by class: agent_request_failed=1, agent_run_error=3, timeout_exceeded=1",
             "resume would run: 2 rollout(s) (1 with earlier failed attempts)",
             "rate: 0.27 attempts/s; ETA 8s",
@@ -196,9 +196,9 @@ def test_status_of_a_complete_aggregated_run(tmp_path: Path) -> None:
     assert format_status(status) == "\n".join(
         [
             f"run {run_dir}: 1 shard(s), complete",
-            "shard       planned  succeeded  failed  terminal  maxed  pending  omitted",
-            "shard-0000        2          2       0         0      0        0        0",
-            "total             2          2       0         0      0        0        0",
+            "shard       planned  succeeded  failed_attempts  terminal  maxed  pending  omitted",
+            "shard-0000        2          2                0         0      0        0        0",
+            "total             2          2                0         0      0        0        0",
             "resume would run: 0 rollout(s) (0 with earlier failed attempts)",
             "merged: rollouts.jsonl",
             "aggregate metrics: 2 server(s); failed: env_b",
@@ -281,7 +281,11 @@ def test_aggregate_command_merges_and_prints_key_metrics(
     captured = capsys.readouterr()
     assert code == exit_code
     assert calls == (1, 1)
-    written = json.loads((run_dir / "rollouts_aggregate_metrics.json").read_text())
+    metrics = run_dir / "rollouts_aggregate_metrics.json"
+    errors = run_dir / "rollouts_aggregate_metrics.errors.json"
+    # A failed aggregate writes its entries beside the metrics file, never in its place.
+    assert (metrics.exists(), errors.exists()) == (not fail_env_b, fail_env_b)
+    written = json.loads((errors if fail_env_b else metrics).read_text())
     assert [(e["agent_ref"]["name"], e["_ng_environment_server"]) for e in written] == [
         ("ag1", "env_a"),
         ("env_b", "env_b"),
@@ -298,14 +302,14 @@ def test_aggregate_command_merges_and_prints_key_metrics(
     assert captured.out == (
         "merged 2 shard(s): 3 success(es), 0 failure line(s) -> rollouts.jsonl\n"
         f"\nKey metrics for ag1 (env_a):\n{key_a}\n"
-        f"\nKey metrics for env_b (env_b):\n{expected_b}\n"
-        f"\nwrote {run_dir / 'rollouts_aggregate_metrics.json'}\n"
+        f"\nKey metrics for env_b (env_b):\n{expected_b}\n" + ("" if fail_env_b else f"\nwrote {metrics}\n")
     )
     assert written[0]["key_metrics"]["mean/reward"] == 0.5
     if fail_env_b:
-        assert captured.err.startswith(
-            "gym-ray aggregate: AggregationError: /aggregate_metrics failed on 1 environment server(s): "
-            "env_b: ServerHTTPError: "
+        assert captured.err == (
+            "gym-ray aggregate: AggregationError: /aggregate_metrics failed for env_b; no "
+            f"rollouts_aggregate_metrics.json was written; the failed entries are in {errors}. Start the "
+            f"servers the config names and rerun `gym-ray aggregate {run_dir}`\n"
         )
     else:
         assert captured.err == ""

@@ -43,9 +43,14 @@ def test_format_result_shows_counts_latency_headline_metrics_and_paths(tmp_path:
         key_metrics={},
         aggregation_errors={},
         latency_ms={"mean": 12.0, "p50": 10.0, "p99": 30.0},
+        pending=0,
+        failure_attempts=2,
+        resumable=1,
+        complete=False,
     )
     assert format_result(result).splitlines() == [
-        "run r1: 7 succeeded, 1 failed of 8 planned (0 already on disk, 8 dispatched)",
+        "run r1: 7 succeeded, 1 failed, 0 pending of 8 planned rollouts (2 failed attempts; 0 already on "
+        "disk, 8 dispatched)",
         "wall 2.0 s, 4 rollouts/s, 2 workers",
         "rollout latency p50 10 ms, p99 30 ms",
         "failures by class: agent_run_error=1",

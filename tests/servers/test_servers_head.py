@@ -207,7 +207,7 @@ def test_serve_is_registered_in_the_cli() -> None:
 
 
 @pytest.mark.parametrize("sig", [pytest.param("SIGTERM", id="sigterm"), pytest.param("SIGINT", id="ctrl-c")])
-def test_gym_ray_serve_cli_runs_until_signalled(sig: str) -> None:
+def test_gym_ray_serve_cli_runs_until_signalled(sig: str, tmp_path: Any) -> None:
     import signal
     import subprocess
     import sys
@@ -222,6 +222,7 @@ def test_gym_ray_serve_cli_runs_until_signalled(sig: str) -> None:
             str(bundled_config_path()),
             "arith_env.environment_servers.example_env.seed=9",
         ],
+        cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -229,10 +230,11 @@ def test_gym_ray_serve_cli_runs_until_signalled(sig: str) -> None:
     try:
         assert proc.stdout is not None
         lines = []
-        for line in proc.stdout:
+        while not lines or not lines[-1].startswith("  gym-ray run "):
+            line = proc.stdout.readline()
+            assert line, lines
             lines.append(line.rstrip("\n"))
-            if line.startswith("head server: "):
-                break
+        lines, told = lines[:-2], lines[-2:]
         head_url = lines[-1].removeprefix("head server: ")
         with urllib.request.urlopen(head_url + "/global_config_dict_yaml") as resp:
             published = yaml.safe_load(json.loads(resp.read()))
@@ -246,7 +248,17 @@ def test_gym_ray_serve_cli_runs_until_signalled(sig: str) -> None:
     assert published["arith_env"]["environment_servers"]["example_env"]["seed"] == 9
     names = sorted(line.split(" ")[0] for line in lines[:-1])
     assert names == ["arith_agent", "arith_agent_hard", "arith_env", "arith_env_hard", "arith_resources"]
-    assert out.strip() == "stopping"
+    port = int(head_url.rsplit(":", 1)[1])
+    assert (told, out.splitlines()) == (
+        [
+            "wrote gym-ray-run.yaml (the head server's address); collect your rows with:",
+            "  gym-ray run gym-ray-run.yaml +input_jsonl_fpath=ROWS.jsonl +output_dir=runs/r1",
+        ],
+        ["stopping"],
+    )
+    assert yaml.safe_load((tmp_path / "gym-ray-run.yaml").read_text()) == {
+        "head_server": {"host": "127.0.0.1", "port": port}
+    }
 
 
 def test_gym_ray_serve_reports_a_missing_file(tmp_path: Any) -> None:

@@ -1,0 +1,212 @@
+"""`gym-ray run` on Ray, as a subprocess: exit statuses and the one line on stderr for each way a run ends.
+
+Real parts: the reference servers on 127.0.0.1 (in this process's thread, or `gym-ray serve` as a
+subprocess), a local Ray started by the CLI, run folders in tmp_path. Waits are on files and processes
+with generous deadlines, never on fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gym_ray.record.ledger import check_run
+from gym_ray.servers import load_bundled_config
+from gym_ray.servers.launch import ThreadedDeployment, start_in_thread
+from tests.run._cli import (
+    cli_env,
+    dead_config,
+    first_line,
+    gym_ray,
+    ray_sessions,
+    short_tmp,
+    write_rows,
+    write_yaml,
+)
+
+pytestmark = pytest.mark.timeout(1200)  # Ray starts take minutes on a loaded 2-core machine
+
+
+def _wait_for(
+    condition: Callable[[], bool], what: str, proc: subprocess.Popen[str], timeout_s: float = 180.0
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"gym-ray exited ({proc.returncode}) before {what}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _lines(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with path.open("rb") as handle:
+        return sum(1 for _ in handle)
+
+
+@pytest.fixture
+def slow_servers() -> Iterator[ThreadedDeployment]:
+    """The demo servers; ``arith_env`` answers each /run after 300 ms, so a run lasts long enough to hit."""
+    cfg = load_bundled_config("demo")
+    env = cfg["arith_env"]["environment_servers"]["example_env"]
+    env["latency_ms"], env["latency_jitter_ms"] = 300, 0
+    with start_in_thread(cfg) as servers:
+        yield servers
+
+
+def _slow_run_args(tmp_path: Path, servers: ThreadedDeployment, out: Path, rows: int = 60) -> list[str]:
+    config = write_yaml(tmp_path / "live.yaml", {**servers.config, "max_resident_tasks": 2, "shard_size": 10})
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    return [
+        "run",
+        str(config),
+        f"+input_jsonl_fpath={data}",
+        f"+output_dir={out}",
+        "--workers",
+        "1",
+        "--progress",
+        "off",
+    ]
+
+
+def test_every_row_failing_against_a_dead_server_exits_3_with_the_resume_command(tmp_path: Path) -> None:
+    ray_tmp = short_tmp()
+    try:
+        config = dead_config(tmp_path / "dead.yaml")
+        rows = write_rows(tmp_path / "rows.jsonl", 3)
+        out = tmp_path / "out"
+        args = [
+            "run",
+            str(config),
+            f"+input_jsonl_fpath={rows}",
+            f"+output_dir={out}",
+            "--workers",
+            "1",
+            "--no-health-check",
+            "--progress",
+            "off",
+        ]
+        result = gym_ray(args, cwd=tmp_path, ray_tmp=ray_tmp)
+        assert ray_sessions(ray_tmp) != []  # this run did start Ray (the control of the preflight tests)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.splitlines() == [
+        f"gym-ray run: IncompleteRunError: run folder {out} is incomplete: 3 failed and 0 pending of 3 "
+        "planned rollouts (0 succeeded, 3 failed attempts); 3 would run again: run `gym-ray "
+        + " ".join(args)
+        + "` to resume"
+    ]
+    assert first_line(result.stdout).startswith("run ")
+    assert " 0 succeeded, 3 failed, 0 pending of 3 planned rollouts (3 failed attempts; " in result.stdout
+
+
+def test_sigterm_stops_like_ctrl_c_exit_143_and_the_rerun_completes(
+    tmp_path: Path, slow_servers: ThreadedDeployment
+) -> None:
+    out = tmp_path / "out"
+    args = _slow_run_args(tmp_path, slow_servers, out)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gym_ray.cli", *args],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for(lambda: _lines(out / "rollouts-00000.jsonl") >= 2, "the first recorded rollouts", proc)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert (proc.returncode, stderr.splitlines()) == (
+        143,
+        [
+            f"gym-ray run: stopped by SIGTERM; the run folder {out} is resumable: rerun the same command to "
+            "run only what is missing"
+        ],
+    )
+    assert "Traceback" not in stdout + stderr
+    recorded = _lines(out / "rollouts-00000.jsonl")
+    rerun = gym_ray(args, cwd=tmp_path, timeout_s=600)
+    assert (rerun.returncode, rerun.stderr) == (0, "")
+    assert (
+        f"60 succeeded, 0 failed, 0 pending of 60 planned rollouts (0 failed attempts; {recorded}"
+        in rerun.stdout
+    )
+    report = check_run(out)
+    assert (report.ok, report.planned, report.settled) == (True, 60, 60)
+
+
+@pytest.mark.parametrize(
+    ("role", "actor"),
+    [
+        pytest.param("driver", "ShardDriver", id="driver"),
+        pytest.param("coordinator", "RunCoordinator", id="coordinator"),
+    ],
+)
+def test_a_killed_driver_or_coordinator_is_named_and_the_folder_stays_resumable(
+    tmp_path: Path, slow_servers: ThreadedDeployment, role: str, actor: str
+) -> None:
+    out = tmp_path / "out"
+    args = _slow_run_args(tmp_path, slow_servers, out)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gym_ray.cli", *args],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for(lambda: _lines(out / "rollouts-00000.jsonl") >= 2, "the first recorded rollouts", proc)
+        victims = [p for p in _descendants(proc.pid) if f"ray::{actor}" in _cmdline(p)]
+        assert len(victims) == 1, [_cmdline(p) for p in _descendants(proc.pid)]
+        victims[0].kill()
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, stderr
+    assert len(stderr.splitlines()) == 1, stderr
+    pattern = (
+        rf"gym-ray run: ActorLostError: the run's {role} actor \({actor}\) died \(.+\); the run cannot go on "
+        rf"without it; the run folder {re.escape(str(out))} is resumable: rerun the same command to run only "
+        "what is missing"
+    )
+    assert re.fullmatch(pattern, first_line(stderr)), stderr
+    assert "every worker died" not in stderr
+    rerun = gym_ray(args, cwd=tmp_path, timeout_s=600)
+    assert (rerun.returncode, rerun.stderr) == (0, "")
+    report = check_run(out)
+    assert (report.ok, report.planned, report.settled) == (True, 60, 60)
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""

@@ -1,0 +1,58 @@
+"""The exit status table of `gym-ray`: one class -> status mapping, decided by the error's MRO."""
+
+from __future__ import annotations
+
+import pytest
+
+from gym_ray import cli, errors
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [
+        pytest.param(errors.ConfigError("bad key", key="k"), 2, id="config"),
+        pytest.param(errors.InputError("empty", path="x.jsonl"), 2, id="input"),
+        pytest.param(errors.ResumeError("other run"), 2, id="resume"),
+        pytest.param(errors.IncompleteRunError("3 failed"), 3, id="incomplete"),
+        pytest.param(errors.RunRejectedError("strict"), 3, id="rejected"),
+        pytest.param(errors.ServerConnectionError("down", url="http://h:1"), 1, id="server"),
+        pytest.param(errors.ActorLostError("driver died", role="driver"), 1, id="actor-lost"),
+        pytest.param(errors.ShardIOError("ENOSPC"), 1, id="shard-io"),
+        pytest.param(OSError(28, "No space left on device"), 1, id="oserror"),
+        pytest.param(errors.RunTerminated("SIGTERM"), 143, id="sigterm"),
+        pytest.param(KeyboardInterrupt(), 130, id="ctrl-c"),
+        pytest.param(ValueError("a bug"), None, id="not-ours"),
+    ],
+)
+def test_each_error_gets_its_documented_exit_status(exc: BaseException, status: int | None) -> None:
+    assert cli.exit_status(exc) == status
+
+
+def test_a_new_subclass_takes_its_parent_status_until_it_gets_its_own_line() -> None:
+    class OutageError(errors.ServerError):
+        pass
+
+    assert cli.exit_status(OutageError("down")) == 1
+    cli.EXIT_STATUSES[OutageError] = 4
+    try:
+        assert cli.exit_status(OutageError("down")) == 4
+    finally:
+        del cli.EXIT_STATUSES[OutageError]
+
+
+def test_every_status_in_the_table_is_documented_in_the_help() -> None:
+    documented = {int(line.split()[0]) for line in cli.EXIT_STATUS_HELP.splitlines()[1:]}
+    assert set(cli.EXIT_STATUSES.values()) - {143} <= documented  # 143 shares the 130 line
+    assert "143 stopped by SIGTERM" in cli.EXIT_STATUS_HELP
+
+
+def test_the_error_line_is_the_remote_cause_without_colour_codes() -> None:
+    class WrappedByRay(Exception):  # the shape of ray.exceptions.RayTaskError: the cause in .cause
+        def __init__(self, cause: BaseException) -> None:
+            super().__init__("\x1b[36m(ShardDriver pid=1)\x1b[0m Traceback (most recent call last): ...")
+            self.cause = cause
+
+    cause = errors.RecordError("cannot write \x1b[31mruns/r1/rollouts.jsonl\x1b[0m: no space left")
+    assert cli.error_line("run", cli._unwrap(WrappedByRay(cause))) == (
+        "gym-ray run: RecordError: cannot write runs/r1/rollouts.jsonl: no space left"
+    )
