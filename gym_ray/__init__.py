@@ -38,7 +38,8 @@ from gym_ray.plan.load import load_jsonl
 from gym_ray.plan.preprocess import preprocess_examples
 from gym_ray.plan.validation import resolve_task_sources, validate_rows
 from gym_ray.record.ledger import LedgerReport, check_run
-from gym_ray.run.collect import RunResult, acollect_local
+from gym_ray.run.collect import acollect_local
+from gym_ray.run.result import RunResult
 from gym_ray.streaming.row_feed import RowFeed
 from gym_ray.streaming.stream import RolloutStream, stream
 from gym_ray.streaming.sync import stream_sync

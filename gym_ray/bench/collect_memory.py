@@ -137,9 +137,7 @@ def _child(
     try:
         from gym_ray.config.run_config import RunConfig
         from gym_ray.plan.shards import iter_prepare_run
-        from gym_ray.run.collect import (
-            acollect_local,  # imported before the baseline so it counts as baseline
-        )
+        from gym_ray.run.collect import acollect_local  # imported before the baseline: counts as baseline
 
         baseline_mb = _peak_rss_mb()
         sampler = _PeakSampler() if trace_top > 0 else None

@@ -49,7 +49,8 @@ import psutil
 from gym_ray import keys
 from gym_ray.bench.latency import BareTarget, _share, bare_aiohttp_loop, run_wrk
 from gym_ray.config.run_config import resolve_run_config
-from gym_ray.distributed.api import RunActors, _ray_connection, plan_from_config, run_actors
+from gym_ray.distributed.api import RunActors, plan_from_config, run_actors
+from gym_ray.distributed.placement import ray_connection
 from gym_ray.servers import ServerStats, load_bundled_config
 from gym_ray.servers.datagen import arithmetic_rows, write_jsonl
 
@@ -340,7 +341,7 @@ async def run_ray_bench(
     """
     with contextlib.ExitStack() as stack:
         root = Path(folder) if folder else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        async with _ray_connection(None):
+        async with ray_connection(None):
             per_worker = max(1, in_flight_total // num_workers)
             with _servers_in_process(_servers_config(latency_ms)) as servers:
                 figures, probe = await _run(

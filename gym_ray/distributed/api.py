@@ -25,11 +25,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,7 +42,12 @@ from gym_ray.distributed.live import (
     poll_progress,
     progress_snapshot,
 )
-from gym_ray.distributed.placement import WorkerPlacement, pinned_to_caller, ray_init_kwargs
+from gym_ray.distributed.placement import (
+    WorkerPlacement,
+    default_num_workers,
+    pinned_to_caller,
+    ray_connection,
+)
 from gym_ray.distributed.worker import (
     DEFAULT_SHARDS_IN_FLIGHT,
     RolloutWorker,
@@ -54,7 +57,6 @@ from gym_ray.distributed.worker import (
 )
 from gym_ray.errors import (
     ActorLostError,
-    GymRayError,
     InternalError,
     NoProgressError,
     ServerOutageError,
@@ -63,12 +65,13 @@ from gym_ray.errors import (
 from gym_ray.observe.tracing import ATTR_RUN_ID, Tracer, current_traceparent, job_span, setup_tracing
 from gym_ray.record.outage_note import clear_outage, write_outage
 from gym_ray.record.run_lock import RunLock, sweep_leftovers
-from gym_ray.run.collect import incomplete_error
+from gym_ray.run.finalize import incomplete_error
 from gym_ray.run.preflight import preflight
 from gym_ray.run.signals import run_until_signal
 
 if TYPE_CHECKING:
-    from gym_ray.run.collect import RunResult, ShardSpec
+    from gym_ray.run.collect import ShardSpec
+    from gym_ray.run.result import RunResult
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +79,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_CANCEL_GRACE_S = 10.0
 #: Seconds every actor gets to flush its telemetry (``close()``) before it is killed.
 DEFAULT_CLOSE_GRACE_S = 30.0
-#: Upper bound of the default worker count (one worker drives hundreds of rollouts at once).
-MAX_DEFAULT_WORKERS = 16
 
 
 @dataclass
@@ -149,7 +150,7 @@ async def run_actors(
         num_workers: Worker actors to start.
         started_at: ``time.monotonic()`` when the caller's run started (wall time in the summary).
         shard_fn: Runs one shard in a worker (default :func:`gym_ray.run.collect.run_shard`).
-        finalize_fn: Finalizes the run in the coordinator (default :func:`gym_ray.run.collect.finalize_run`).
+        finalize_fn: Finalizes the run in the coordinator (default :func:`gym_ray.run.finalize.finalize_run`).
         shards_in_flight: Shards each worker runs at once (sharing its admission semaphore).
         max_worker_restarts: Replacement workers allowed in total (default ``2 x num_workers``).
         cancel_grace_s: On cancellation, seconds workers get to close their writers before being killed.
@@ -374,7 +375,7 @@ async def _raise_if_run_actor_lost(actors: RunActors, run_dir: str) -> None:
 
 def resume_hint(run_dir: str) -> str:
     """One sentence on whether a rerun continues ``run_dir`` (true only when the folder holds a plan)."""
-    from gym_ray.plan.shards import RUN_MANIFEST
+    from gym_ray.plan.run_manifest import RUN_MANIFEST
 
     if (Path(run_dir) / RUN_MANIFEST).exists():
         return f"the run folder {run_dir} is resumable: rerun the same command to run only what is missing"
@@ -446,60 +447,6 @@ async def _close_actors(handles: Sequence[Any], *, timeout_s: float) -> None:
         )
 
 
-@asynccontextmanager
-async def _ray_connection(address: str | None) -> Any:
-    """Use the Ray this process runs, join ``address``/``RAY_ADDRESS``, or start a local one."""
-    import ray
-
-    if ray.is_initialized():
-        yield ray
-        return
-    # Ray's own start-up lines and the actors' log lines (forwarded with ANSI colour prefixes) are not
-    # printed: every error crosses as a typed exception and is reported once by the caller. The actors'
-    # logs stay in Ray's session folder (/tmp/ray/session_latest/logs on the head node).
-    quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
-    init = functools.partial(ray.init, **ray_init_kwargs(address), **quiet)
-    try:
-        await asyncio.to_thread(init)
-    except Exception as exc:  # Ray raises bare Exception / RuntimeError / ConnectionError here
-        where = (
-            f"join the Ray cluster at {address or os.environ.get('RAY_ADDRESS')}"
-            if address or os.environ.get("RAY_ADDRESS")
-            else "start a local Ray"
-        )
-        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise GymRayError(
-            f"could not {where}: {text}; nothing was dispatched. Check the address or the machine's load, "
-            "then rerun"
-        ) from exc
-    _restore_sigterm()
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
-def _restore_sigterm() -> None:
-    """Give SIGTERM back to Python after ``ray.init``.
-
-    Ray's core worker installs a C-level SIGTERM handler in the driver process that prints a stack dump and
-    aborts; Python's own handler (e.g. the one :func:`gym_ray.run.signals.run_until_signal` set, which
-    stops the run like Ctrl-C) still stands at the Python level, so re-installing it re-arms it.
-    """
-    import signal
-    import threading
-
-    if threading.current_thread() is threading.main_thread():
-        handler = signal.getsignal(signal.SIGTERM)
-        if handler is not None:
-            signal.signal(signal.SIGTERM, handler)
-
-
-def _default_num_workers(ray_module: Any) -> int:
-    cpus = int(ray_module.cluster_resources().get("CPU", 1))
-    return max(1, min(MAX_DEFAULT_WORKERS, cpus))
-
-
 async def acollect(
     config: ConfigSource | RunConfig,
     *,
@@ -566,8 +513,8 @@ async def acollect(
     view = ProgressView(stream=sys.stderr, enabled=True, interval_s=progress_every_s) if show else None
     try:
         sweep_leftovers(run_dir)  # temp folders of a killed run on this folder
-        async with _ray_connection(address) as ray:
-            workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
+        async with ray_connection(address) as ray:
+            workers = num_workers or run_settings.num_workers or default_num_workers(ray)
             rows_ref = ray.put(row_list) if row_list is not None else None
             planner = functools.partial(plan_from_config, run, rows_ref, workers)
             with job_span(tracer, run_dir=run_dir) as span:

@@ -1,10 +1,10 @@
 """The coordinator actor: learns of each finished shard, keeps the run's status, finalizes the run.
 
-Workers send one :class:`~gym_ray.run.collect.ShardReport` per shard they ran (with that call's successes by
+Workers send one :class:`~gym_ray.run.result.ShardReport` per shard they ran (with that call's successes by
 environment server and reward sums, for the live progress view); the driver sends each planned
 :class:`~gym_ray.run.collect.ShardSpec` as it is planned and ``None`` when planning ends. At the end,
 :meth:`RunCoordinator.finalize` rebuilds the :class:`~gym_ray.run.collect.RunPlan` from those specs and runs
-:func:`gym_ray.run.collect.finalize_run` (k-way merge of the shard files, completion check,
+:func:`gym_ray.run.finalize.finalize_run` (k-way merge of the shard files, completion check,
 ``/aggregate_metrics`` once per environment server, metrics file, ``rollouts_summary.json``) in this actor
 with its own client pool, then adds the distributed figures (workers, shard timings) under the
 ``"distributed"`` key of the summary (atomic replace).
@@ -34,7 +34,8 @@ from gym_ray.record.atomic import atomic_write_bytes
 if TYPE_CHECKING:
     from gym_ray.config.run_config import RunConfig
     from gym_ray.dispatch.client import ServerClient
-    from gym_ray.run.collect import RunPlan, RunResult, ShardReport, ShardSpec
+    from gym_ray.run.collect import RunPlan, ShardSpec
+    from gym_ray.run.result import RunResult, ShardReport
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ DISTRIBUTED_KEY = "distributed"
 
 
 class FinalizeFn(Protocol):
-    """The shape of :func:`gym_ray.run.collect.finalize_run`."""
+    """The shape of :func:`gym_ray.run.finalize.finalize_run`."""
 
     def __call__(
         self,
@@ -89,7 +90,7 @@ class RunStatus:
 
 
 def _default_finalize() -> FinalizeFn:
-    from gym_ray.run.collect import finalize_run
+    from gym_ray.run.finalize import finalize_run
 
     return finalize_run
 
@@ -103,7 +104,7 @@ class RunCoordinator:
         run_dir: The run folder.
         config: The plain global config (the topology is built from it for finalization).
         settings: The run's settings.
-        finalize_fn: Merges and aggregates the run; :func:`gym_ray.run.collect.finalize_run` by default.
+        finalize_fn: Merges and aggregates the run; :func:`gym_ray.run.finalize.finalize_run` by default.
         client_factory: Builds the client pool used to aggregate.
         clock: Monotonic clock, injected for tests; elapsed time counts from construction.
     """
@@ -262,7 +263,8 @@ class RunCoordinator:
 
     def _plan(self) -> RunPlan:
         """The run's plan as the driver announced it (run id from the specs, else the run manifest)."""
-        from gym_ray.run.collect import RUN_MANIFEST, RunPlan
+        from gym_ray.plan.run_manifest import RUN_MANIFEST
+        from gym_ray.run.collect import RunPlan
 
         if self._specs:
             run_id, identity = self._specs[0].run_id, self._specs[0].config_identity

@@ -1,8 +1,10 @@
 """Where a run's Ray lives and where its actors go.
 
-- :func:`ray_init_kwargs`: join ``address`` / ``RAY_ADDRESS``, else start a lean local Ray of our own
-  (``address="local"``: never silently join another cluster that happens to run on this machine, e.g.
-  one started by ``ray start`` or a test's multi-node cluster).
+- :func:`ray_connection` / :func:`ray_init_kwargs`: use the Ray this process runs, join ``address`` /
+  ``RAY_ADDRESS``, else start a lean local Ray of our own (``address="local"``: never silently join
+  another cluster that happens to run on this machine, e.g. one started by ``ray start`` or a test's
+  multi-node cluster); quiet (Ray's start-up lines and the actors' logs are not printed), a failed start
+  is one line, and Python's SIGTERM handler is put back after Ray's.
 - :class:`WorkerPlacement` puts worker actors on the nodes that offer CPUs (a head started with
   ``num-cpus=0``, as KubeRay recommends, is left alone), the node with the fewest of the run's live
   workers first, so workers spread by construction and a lost node's replacements go to the others.
@@ -17,11 +19,26 @@ cluster refuse to schedule them.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import os
+import signal
 from collections import Counter
+from contextlib import asynccontextmanager
 from typing import Any
 
-__all__ = ["WorkerPlacement", "current_node_id", "pinned_to_caller", "ray_init_kwargs"]
+from gym_ray.errors import GymRayError
+
+__all__ = [
+    "MAX_DEFAULT_WORKERS",
+    "WorkerPlacement",
+    "current_node_id",
+    "default_num_workers",
+    "pinned_to_caller",
+    "ray_connection",
+    "ray_init_kwargs",
+]
 
 
 def ray_init_kwargs(address: str | None) -> dict[str, Any]:
@@ -86,3 +103,60 @@ class WorkerPlacement:
     def node_of(self, worker_id: str) -> str | None:
         """The node chosen for ``worker_id`` (hex id), or None."""
         return self._where.get(worker_id)
+
+
+#: Upper bound of the default worker count (one worker drives hundreds of rollouts at once).
+MAX_DEFAULT_WORKERS = 16
+
+
+@asynccontextmanager
+async def ray_connection(address: str | None) -> Any:
+    """Use the Ray this process runs, join ``address``/``RAY_ADDRESS``, or start a local one."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    # Ray's own start-up lines and the actors' log lines (forwarded with ANSI colour prefixes) are not
+    # printed: every error crosses as a typed exception and is reported once by the caller. The actors'
+    # logs stay in Ray's session folder (/tmp/ray/session_latest/logs on the head node).
+    quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
+    init = functools.partial(ray.init, **ray_init_kwargs(address), **quiet)
+    try:
+        await asyncio.to_thread(init)
+    except Exception as exc:  # Ray raises bare Exception / RuntimeError / ConnectionError here
+        where = (
+            f"join the Ray cluster at {address or os.environ.get('RAY_ADDRESS')}"
+            if address or os.environ.get("RAY_ADDRESS")
+            else "start a local Ray"
+        )
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise GymRayError(
+            f"could not {where}: {text}; nothing was dispatched. Check the address or the machine's load, "
+            "then rerun"
+        ) from exc
+    _restore_sigterm()
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _restore_sigterm() -> None:
+    """Give SIGTERM back to Python after ``ray.init``.
+
+    Ray's core worker installs a C-level SIGTERM handler in the driver process that prints a stack dump and
+    aborts; Python's own handler (e.g. the one :func:`gym_ray.run.signals.run_until_signal` set, which
+    stops the run like Ctrl-C) still stands at the Python level, so re-installing it re-arms it.
+    """
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGTERM)
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
+
+
+def default_num_workers(ray_module: Any) -> int:
+    cpus = int(ray_module.cluster_resources().get("CPU", 1))
+    return max(1, min(MAX_DEFAULT_WORKERS, cpus))

@@ -4,7 +4,7 @@ One :class:`RolloutWorker` is one long-lived async Ray actor (one process) with 
 ``run()`` is :func:`gym_ray.run.collect.run_shards` with ``shards_in_flight`` lanes (default 2): each lane
 asks
 the driver for a shard, runs it with :func:`gym_ray.run.collect.run_shard`, reports the
-:class:`~gym_ray.run.collect.ShardReport` to the coordinator and the completion to the driver, and asks again.
+:class:`~gym_ray.run.result.ShardReport` to the coordinator and the completion to the driver, and asks again.
 All lanes share one ``asyncio.Semaphore(max_resident_tasks)``, so while one shard drains its tail the next
 shard already fills the freed slots: the concurrency window stays full across shard boundaries and never
 exceeds ``max_resident_tasks`` rollouts in flight.
@@ -12,7 +12,7 @@ exceeds ``max_resident_tasks`` rollouts in flight.
 Concurrency and failure promises:
 
 - Every outcome is classified inside ``run_shard``; only typed picklable records cross actors
-  (:class:`~gym_ray.run.collect.ShardReport`, :class:`~gym_ray.distributed.driver.ShardFailure`,
+  (:class:`~gym_ray.run.result.ShardReport`, :class:`~gym_ray.distributed.driver.ShardFailure`,
   :class:`WorkerProgress`).
 - A shard that raises is reported to the driver as a :class:`ShardFailure` and the lane moves on (the
   ``on_error`` hook of ``run_shards``: the other lanes are not disturbed). A
@@ -58,7 +58,8 @@ if TYPE_CHECKING:
     from gym_ray.config.run_config import RunConfig
     from gym_ray.config.settings import RunSettings
     from gym_ray.dispatch.client import ServerClient
-    from gym_ray.run.collect import OutcomeHook, ShardReport, ShardSpec
+    from gym_ray.run.collect import OutcomeHook, ShardSpec
+    from gym_ray.run.result import ShardReport
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class WorkerTotals:
 class OutcomeTally:
     """Outcomes on disk, counted one by one: successes ``(count, reward sum)`` by environment server.
 
-    ``failed`` counts failure records (one per attempt, as :class:`~gym_ray.run.collect.ShardReport` does);
+    ``failed`` counts failure records (one per attempt, as :class:`~gym_ray.run.result.ShardReport` does);
     records that are not persisted (drained rollouts) are not counted.
     """
 

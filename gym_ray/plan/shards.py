@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -40,13 +39,11 @@ from gym_ray.errors import GymRayError, RecordError, ResumeError, UsageError
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan.load import load_jsonl
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
-from gym_ray.plan.resume import verify_recorded_inputs
+from gym_ray.plan.run_manifest import RUN_MANIFEST, open_run, read_run_manifest, write_run_manifest
 from gym_ray.plan.validation import validate_rows
-from gym_ray.record.atomic import atomic_write_bytes
 from gym_ray.record.manifest import ShardManifest
 from gym_ray.record.writer import ShardWriter
 
-RUN_MANIFEST = "run_manifest.json"
 #: Largest automatic shard (rows); also the shard size of a plan cut without a known worker count.
 DEFAULT_SHARD_SIZE = 1000
 #: Smallest automatic shard (rows): below it per-shard file and manifest costs dominate.
@@ -103,66 +100,6 @@ def _row_line(row: Mapping[str, Any]) -> bytes:
     return (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 
 
-def _read_run_manifest(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / RUN_MANIFEST
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ResumeError(
-            f"{path} is not a readable run manifest ({exc}); move the folder aside or pass a new output_dir"
-        ) from exc
-    if not isinstance(data, dict):
-        raise ResumeError(
-            f"{path} does not hold a JSON object; move the folder aside or pass a new output_dir"
-        )
-    return data
-
-
-def _open_run(
-    root: Path, config_identity: str | None, run_id: str | None
-) -> tuple[str, dict[str, Any] | None]:
-    """The run id of ``root`` (kept from its run manifest on resume) and that manifest, if any."""
-    existing = _read_run_manifest(root)
-    if existing is not None:
-        old_identity = existing.get("config_identity")
-        if old_identity and config_identity and old_identity != config_identity:
-            raise ResumeError(
-                f"{root} was collected with another configuration (identity {old_identity[:12]}..., now "
-                f"{config_identity[:12]}...): servers, routing or sampling settings changed. Resume with the "
-                "config that started the run, or pass a new output_dir"
-            )
-        verify_recorded_inputs(root)  # a resume: damaged inputs stop it before anything is dispatched
-        run_id = str(existing["run_id"])
-    return run_id or uuid.uuid4().hex[:12], existing
-
-
-def _write_run_manifest(
-    root: Path,
-    existing: dict[str, Any] | None,
-    *,
-    run_id: str,
-    config_identity: str | None,
-    shard_size: int,
-    num_shards: int | None,
-    planned: int | None,
-    run_rows: int | None = None,
-) -> None:
-    manifest = {
-        "run_id": run_id,
-        "config_identity": config_identity,
-        "num_shards": num_shards,
-        "planned": planned,
-        # The run's full size, known from the validation pass before the first shard is cut: an interrupted
-        # run's status counts the rows not planned yet (gym_ray.record.status, gym_ray.record.ledger).
-        "run_rows": run_rows if run_rows is not None else (existing or {}).get("run_rows"),
-        "shard_size": shard_size,
-        "created_at": existing.get("created_at") if existing else time.time(),
-    }
-    atomic_write_bytes(root / RUN_MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
-
-
 def _shard_size(shard_size: int | None) -> int:
     size = shard_size or DEFAULT_SHARD_SIZE
     if size < 1:
@@ -204,7 +141,7 @@ def plan_run(
     size = _shard_size(shard_size)
     root = Path(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    run_id, existing = _open_run(root, config_identity, run_id)
+    run_id, existing = open_run(root, config_identity, run_id)
     expected = existing.get("num_shards") if existing else None
     staging = root / f".staging-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
@@ -226,7 +163,7 @@ def plan_run(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     planned = sum(spec.num_rows for spec in specs)
-    _write_run_manifest(
+    write_run_manifest(
         root,
         existing,
         run_id=run_id,
@@ -315,10 +252,10 @@ def _iter_plan(
 ) -> Generator[ShardSpec, None, None]:
     """:func:`iter_plan`'s body (which maps the file system's errors to one line naming the path)."""
     root.mkdir(parents=True, exist_ok=True)
-    run_id, existing = _open_run(root, config_identity, run_id)
+    run_id, existing = open_run(root, config_identity, run_id)
     expected = existing.get("num_shards") if existing else None
     if existing is None or (run_rows is not None and existing.get("run_rows") != run_rows):
-        _write_run_manifest(
+        write_run_manifest(
             root,
             existing,
             run_id=run_id,
@@ -351,7 +288,7 @@ def _iter_plan(
         shutil.rmtree(staging, ignore_errors=True)
     if expected is not None and expected != count:
         raise _shard_count_error(root, expected, count)
-    _write_run_manifest(
+    write_run_manifest(
         root,
         existing,
         run_id=run_id,
@@ -537,7 +474,7 @@ def prepare_run(
     root = Path(_output_dir(run.settings))
     resumed = (root / RUN_MANIFEST).exists()
     specs = tuple(iter_prepare_run(run, rows=rows, num_workers=num_workers))
-    manifest = _read_run_manifest(root) or {}
+    manifest = read_run_manifest(root) or {}
     return RunPlan(
         run_dir=str(root),
         run_id=str(manifest.get("run_id", specs[0].run_id if specs else "")),
@@ -625,7 +562,7 @@ def _planned_shard_size(settings: RunSettings, output_dir: str, run_rows: int, n
     """``shard_size`` when set; else the size a resumed folder was cut with; else :func:`auto_shard_size`."""
     if settings.shard_size is not None:
         return settings.shard_size
-    recorded = (_read_run_manifest(Path(output_dir)) or {}).get("shard_size")
+    recorded = (read_run_manifest(Path(output_dir)) or {}).get("shard_size")
     if isinstance(recorded, int) and recorded >= 1:
         return recorded
     return auto_shard_size(run_rows, num_workers)

@@ -53,7 +53,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gym_ray import keys
 from gym_ray.errors import ConfigError, InputError
-from gym_ray.plan.shards import RUN_MANIFEST
+from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.record.jsonl import JsonlReader
 from gym_ray.record.shard_files import Identity, list_shards, record_identity, shard_paths
 

@@ -30,7 +30,7 @@ from gym_ray import keys
 from gym_ray.errors import AggregationError, InputError, ResumeError, UsageError
 from gym_ray.observe.rate import RateMeter
 from gym_ray.plan.resume import plan_resume
-from gym_ray.plan.shards import RUN_MANIFEST
+from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.record.aggregate import (
     AGGREGATE_FILE_NAME,
     AggregateEntry,

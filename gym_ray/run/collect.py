@@ -19,10 +19,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from pathlib import Path
-from typing import Any, NamedTuple
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from gym_ray import keys
 from gym_ray.config.run_config import ConfigSource, RunConfig, resolve_run_config
@@ -32,46 +29,27 @@ from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.engine import dispatch
 from gym_ray.dispatch.health import ServerHealth, current_health, health_scope
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
-from gym_ray.errors import IncompleteRunError, NoProgressError, RunRejectedError, ServerOutageError
+from gym_ray.errors import NoProgressError, ServerOutageError
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
 from gym_ray.observe.tracing import job_span, run_scope, setup_tracing
 from gym_ray.plan.resume import plan_resume
-from gym_ray.plan.shards import (
-    DEFAULT_SHARD_SIZE,
-    RUN_MANIFEST,
-    RunPlan,
-    ShardSpec,
-    input_rows,
-    plan_run,
-    prepare_run,
-)
-from gym_ray.record.aggregate import (
-    aggregate_run,
-    raise_for_aggregation_errors,
-    raise_for_completion_rejection,
-    read_metrics_summary,
-)
-from gym_ray.record.atomic import atomic_write_bytes
-from gym_ray.record.merge import merge_shards
-from gym_ray.record.nemo_layout import publish_nemo_gym_layout
+from gym_ray.plan.run_manifest import RUN_MANIFEST
+from gym_ray.plan.shards import DEFAULT_SHARD_SIZE, RunPlan, ShardSpec, input_rows, plan_run, prepare_run
 from gym_ray.record.outage_note import clear_outage, write_outage
 from gym_ray.record.run_lock import RunLock, sweep_leftovers
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error
+from gym_ray.run.finalize import finalize_run, incomplete_error
 from gym_ray.run.preflight import preflight
+from gym_ray.run.result import RunResult, ShardReport
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
     "RUN_MANIFEST",
-    "SUMMARY_FILE",
     "RunPlan",
-    "RunResult",
-    "ShardReport",
     "ShardSpec",
     "acollect_local",
     "client_for",
-    "finalize_run",
-    "incomplete_error",
     "input_rows",
     "plan_run",
     "prepare_run",
@@ -79,70 +57,11 @@ __all__ = [
     "run_shards",
 ]
 
-SUMMARY_FILE = "rollouts_summary.json"
 #: Seconds between two writes of a running shard's progress file (``gym-ray status`` reads its counts
 #: and timestamp, so a live run's rate is measured on counts that match their time).
 PROGRESS_FILE_INTERVAL_S = 5.0
 
 OutcomeHook = Callable[[dict[str, Any], dict[str, Any]], None]
-
-
-class ShardReport(BaseModel):
-    """What running one shard did. Crosses Ray actor boundaries (plain, picklable data)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    shard: str
-    planned: int
-    already_done: int
-    dispatched: int
-    succeeded: int
-    failed: int
-    failed_by_class: dict[str, int]
-    omitted: int
-    wall_s: float
-    worker: str | None = None
-    latency_ms_sum: float = 0.0
-    latency_histogram: list[int] = Field(default_factory=list)
-
-
-class RunResult(BaseModel):
-    """The outcome of a whole collection: where things are, what happened, the headline metrics.
-
-    Rows and attempts are counted apart. Every planned rollout (row) is in exactly one of
-    ``succeeded`` (it has a success), ``failed`` (no success, at least one failure attempt) and
-    ``pending`` (no outcome recorded: never dispatched, or drained), so the three add up to ``planned``.
-    ``failure_attempts`` counts the failure lines of the failed rows (a row tried three times counts three);
-    ``resumable`` is the rows a rerun on the same folder would dispatch (pending rows plus failed rows with
-    attempts left). ``complete`` is the exit status contract: no pending row, and failed rows at most
-    ``max_failed_fraction`` of the planned rows (0 by default).
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    run_dir: str
-    run_id: str
-    rollouts_path: str
-    failures_path: str
-    metrics_path: str | None
-    summary_path: str
-    planned: int
-    succeeded: int
-    failed: int
-    failed_by_class: dict[str, int]
-    omitted: int
-    dispatched: int
-    already_done: int
-    wall_s: float
-    rollouts_per_s: float
-    num_workers: int
-    key_metrics: dict[str, dict[str, Any]]
-    aggregation_errors: dict[str, str]
-    pending: int
-    failure_attempts: int
-    resumable: int
-    complete: bool
-    latency_ms: dict[str, float | None] = Field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -406,110 +325,6 @@ def client_for(run: RunConfig) -> ServerClient:
 # finishing a run
 
 
-async def finalize_run(
-    plan: RunPlan,
-    reports: Iterable[ShardReport],
-    *,
-    run: RunConfig,
-    client: ServerClient,
-    wall_s: float,
-    num_workers: int = 1,
-) -> RunResult:
-    """Merge the shards, check completion, aggregate once per environment server, write the summary.
-
-    With ``disable_aggregation`` no ``/aggregate_metrics`` call is made and no metrics file is written.
-    With ``output_jsonl_fpath`` the merged files are published under NeMo Gym's names
-    (:mod:`gym_ray.record.nemo_layout`) and the result's paths point there. With ``require_complete`` a
-    run that has fewer successes than planned rollouts raises :class:`~gym_ray.errors.RunRejectedError`
-    after every file is written (NeMo Gym's ``EVAL FAILED``).
-
-    A strict run with unfinished work is rejected before aggregation (no score is published). When an
-    ``/aggregate_metrics`` call fails, the metrics file keeps an entry with ``aggregation_error``, the
-    summary is written, and then one :class:`~gym_ray.errors.AggregationError` names every failed server.
-    """
-    reports = list(reports)
-    settings = run.settings
-    root = Path(plan.run_dir)
-    merged = await asyncio.to_thread(merge_shards, root)
-    settled = merged.successes + merged.terminal_failures
-    rows = await asyncio.to_thread(_row_counts, plan, settings)
-    if settings.strict:
-        raise_for_completion_rejection(
-            expected=plan.planned,
-            completed=settled,
-            can_retry=rows.resumable > 0,
-            made_progress=any(r.succeeded or r.failed for r in reports),
-            strict=True,
-        )
-    metrics_path = (
-        None
-        if settings.disable_aggregation
-        else await aggregate_run(root, run.topology, client, raise_on_error=False)
-    )
-    entries = read_metrics_summary(metrics_path) if metrics_path else []
-    key_metrics = {e["_ng_environment_server"]: e.get("key_metrics", {}) for e in entries}
-    errors = {
-        e["_ng_environment_server"]: e["aggregation_error"] for e in entries if "aggregation_error" in e
-    }
-    failed_by_class: Counter[str] = Counter()
-    for report in reports:
-        failed_by_class.update(report.failed_by_class)
-    dispatched = sum(r.dispatched for r in reports)
-    latencies = latency.merge(r.latency_histogram for r in reports)
-    timed = sum(latencies)
-    rollouts_path, failures_path = Path(merged.successes_path), Path(merged.failures_path)
-    if settings.output_jsonl_fpath is not None:
-        published = await asyncio.to_thread(
-            publish_nemo_gym_layout,
-            root,
-            settings.output_jsonl_fpath,
-            rollouts=rollouts_path,
-            failures=failures_path,
-            metrics=metrics_path,
-        )
-        rollouts_path, failures_path = published.rollouts, published.failures
-        metrics_path = published.aggregate_metrics if metrics_path is not None else None
-    result = RunResult(
-        run_dir=str(root),
-        run_id=plan.run_id,
-        rollouts_path=str(rollouts_path),
-        failures_path=str(failures_path),
-        metrics_path=str(metrics_path) if metrics_path else None,
-        summary_path=str(root / SUMMARY_FILE),
-        planned=plan.planned,
-        succeeded=merged.successes,
-        failed=rows.failed,
-        pending=rows.pending,
-        failure_attempts=merged.failures,
-        resumable=rows.resumable,
-        complete=rows.pending == 0 and rows.failed <= settings.max_failed_fraction * plan.planned,
-        failed_by_class=dict(failed_by_class),
-        omitted=sum(r.omitted for r in reports),
-        dispatched=dispatched,
-        already_done=sum(r.already_done for r in reports),
-        wall_s=wall_s,
-        rollouts_per_s=dispatched / wall_s if wall_s > 0 else 0.0,
-        num_workers=num_workers,
-        key_metrics=key_metrics,
-        aggregation_errors=errors,
-        latency_ms={
-            "mean": sum(r.latency_ms_sum for r in reports) / timed if timed else None,
-            "p50": latency.quantile_ms(latencies, 0.5),
-            "p99": latency.quantile_ms(latencies, 0.99),
-        },
-    )
-    atomic_write_bytes(root / SUMMARY_FILE, (result.model_dump_json(indent=2) + "\n").encode())
-    if metrics_path is not None:
-        raise_for_aggregation_errors(metrics_path)
-    if settings.require_complete and merged.successes < plan.planned:
-        # NeMo Gym 0.7's check_completion: after every file is written, successes only count.
-        raise RunRejectedError(
-            f"EVAL FAILED: {merged.successes}/{plan.planned} samples completed (require_complete=true). "
-            f"Partial artifacts retained at {rollouts_path}; rerun on the same output to resume"
-        )
-    return result
-
-
 async def acollect_local(
     config: ConfigSource | RunConfig,
     *,
@@ -603,52 +418,6 @@ async def _collect_locked(
     finally:
         if tracer is not None:  # every span of the run is exported when it returns or raises
             await asyncio.to_thread(tracer.flush)
-
-
-def incomplete_error(result: RunResult, *, resume_command: str | None = None) -> IncompleteRunError:
-    """The one-line error of a run that ended with failed or pending rollouts.
-
-    Args:
-        result: The finalized run.
-        resume_command: The exact command that resumes it (the CLI passes its own command line);
-            default: "rerun on the same output_dir".
-    """
-    counts = (
-        f"{result.failed} failed and {result.pending} pending of {result.planned} planned rollouts "
-        f"({result.succeeded} succeeded, {result.failure_attempts} failed attempts)"
-    )
-    if result.resumable:
-        how = f"run `{resume_command}`" if resume_command else "run again on the same output_dir"
-        todo = f"{result.resumable} would run again: {how} to resume"
-    else:
-        todo = (
-            "none has attempts left (max_rollout_attempts); raise max_rollout_attempts and rerun to retry "
-            "them, or accept them with max_failed_fraction"
-        )
-    return IncompleteRunError(
-        f"run folder {result.run_dir} is incomplete: {counts}; {todo}",
-        run_dir=result.run_dir,
-        failed=result.failed,
-        pending=result.pending,
-        resumable=result.resumable,
-    )
-
-
-class _RowCounts(NamedTuple):
-    failed: int
-    pending: int
-    resumable: int
-
-
-def _row_counts(plan: RunPlan, settings: RunSettings) -> _RowCounts:
-    """Rows failed (no success, some failure attempt), pending (no outcome) and resumable, from the shards."""
-    failed = pending = resumable = 0
-    for spec in plan.shards:
-        shard = plan_resume(plan.run_dir, spec.shard, max_rollout_attempts=settings.max_rollout_attempts)
-        failed += shard.terminal + shard.maxed_out + shard.retrying
-        pending += shard.pending_count - shard.retrying
-        resumable += shard.pending_count
-    return _RowCounts(failed, pending, resumable)
 
 
 def _pending_count(plan: RunPlan, settings: RunSettings) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gym_ray.record.aggregate import read_metrics_summary
-from gym_ray.run.collect import RunResult
+from gym_ray.run.result import RunResult
 
 
 def _headline(result: RunResult) -> dict[str, dict[str, Any]]:
@@ -124,7 +124,8 @@ def run_main(args: argparse.Namespace) -> int:
     import shlex
 
     from gym_ray.config.run_config import resolve_run_config
-    from gym_ray.run.collect import acollect_local, incomplete_error
+    from gym_ray.run.collect import acollect_local
+    from gym_ray.run.finalize import incomplete_error
     from gym_ray.run.preflight import check_workers
     from gym_ray.run.signals import run_until_signal
 
@@ -164,7 +165,7 @@ def run_main(args: argparse.Namespace) -> int:
 
 def _record_command(run_dir: str, paths: list[str], overrides: list[str]) -> None:
     """Record the run's config in its folder when the run got as far as planning (for ``aggregate``)."""
-    from gym_ray.plan.shards import RUN_MANIFEST
+    from gym_ray.plan.run_manifest import RUN_MANIFEST
     from gym_ray.record.status import record_run_command
 
     if (Path(run_dir) / RUN_MANIFEST).exists():

@@ -41,7 +41,7 @@ from gym_ray.errors import (
     ServerHTTPError,
     UsageError,
 )
-from gym_ray.plan.shards import RUN_MANIFEST
+from gym_ray.plan.run_manifest import RUN_MANIFEST
 
 __all__ = [
     "PROBE_TIMEOUT_S",

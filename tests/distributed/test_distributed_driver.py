@@ -14,7 +14,8 @@ import pytest
 from gym_ray import keys
 from gym_ray.distributed.driver import ShardDriver, ShardFailure
 from gym_ray.errors import InputError, NoProgressError, ShardIOError, ShardLockError
-from gym_ray.plan.shards import RUN_MANIFEST, iter_plan
+from gym_ray.plan.run_manifest import RUN_MANIFEST
+from gym_ray.plan.shards import iter_plan
 from gym_ray.record.shard_files import shard_paths
 from gym_ray.run.collect import ShardSpec
 

@@ -12,7 +12,8 @@ import pytest
 from gym_ray import keys
 from gym_ray.config.run_config import RunConfig
 from gym_ray.errors import ResumeError, ValidationError
-from gym_ray.plan.shards import RUN_MANIFEST, iter_plan, iter_prepare_run, plan_run, prepare_run
+from gym_ray.plan.run_manifest import RUN_MANIFEST
+from gym_ray.plan.shards import iter_plan, iter_prepare_run, plan_run, prepare_run
 from gym_ray.record.shard_files import shard_paths
 
 CONFIG: dict[str, Any] = {

@@ -16,7 +16,8 @@ from gym_ray.config.run_config import RunConfig
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.distributed.api import RunActors, run_actors
 from gym_ray.errors import ShardIOError
-from gym_ray.run.collect import RunPlan, RunResult, ShardReport, ShardSpec
+from gym_ray.run.collect import RunPlan, ShardSpec
+from gym_ray.run.result import RunResult, ShardReport
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 

@@ -20,7 +20,8 @@ from gym_ray.distributed.api import run_actors
 from gym_ray.distributed.live import ProgressSnapshot
 from gym_ray.distributed.worker import OutcomeTally
 from gym_ray.errors import ShardIOError
-from gym_ray.run.collect import OutcomeHook, RunPlan, RunResult, ShardReport, ShardSpec, run_shards
+from gym_ray.run.collect import OutcomeHook, RunPlan, ShardSpec, run_shards
+from gym_ray.run.result import RunResult, ShardReport
 
 RUN = RunConfig.from_dict({"max_resident_tasks": 4})
 TOPOLOGY = RUN.topology

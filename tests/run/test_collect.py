@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from gym_ray.errors import NoProgressError, ResumeError, ValidationError
+from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.record.ledger import check_run
-from gym_ray.run.collect import RUN_MANIFEST, acollect_local
+from gym_ray.run.collect import acollect_local
 from gym_ray.servers import Deployment, serve_config
 
 

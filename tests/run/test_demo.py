@@ -1,8 +1,8 @@
 import json
 from pathlib import Path
 
-from gym_ray.run.collect import RunResult
 from gym_ray.run.demo import format_result
+from gym_ray.run.result import RunResult
 
 
 def test_format_result_shows_counts_latency_headline_metrics_and_paths(tmp_path: Path) -> None:
