@@ -34,6 +34,8 @@ from gym_ray.plan.preprocess import preprocess_examples
 from gym_ray.plan.validation import resolve_task_sources, validate_rows
 from gym_ray.record.ledger import LedgerReport, check_run
 from gym_ray.run.collect import RunResult, acollect_local
+from gym_ray.streaming.filters import drop_uniform_reward
+from gym_ray.streaming.groups import RolloutGroup
 from gym_ray.streaming.row_feed import RowFeed
 from gym_ray.streaming.stream import RolloutStream, stream
 from gym_ray.streaming.sync import stream_sync
@@ -54,6 +56,7 @@ __all__ = [
     "ResumeError",
     "RolloutCollectionHelper",
     "RolloutFailureRecord",
+    "RolloutGroup",
     "RolloutStream",
     "RoutingError",
     "RowFeed",
@@ -75,6 +78,7 @@ __all__ = [
     "acollect_local",
     "check_run",
     "collect",
+    "drop_uniform_reward",
     "load_config",
     "load_jsonl",
     "preprocess_examples",
