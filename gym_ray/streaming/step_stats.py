@@ -15,9 +15,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gym_ray import keys
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Meter
 
 __all__ = ["StepMeter", "StreamStats"]
 
@@ -77,9 +80,12 @@ class StepMeter:
     Args:
         run_id: The stream's run id (an attribute of every OTel data point).
         clock: Seconds, monotonic (injected for tests).
+        meter: The OTel meter (default: ``gym_ray.streaming`` from the global meter provider).
     """
 
-    def __init__(self, run_id: str, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, run_id: str, *, clock: Callable[[], float] = time.monotonic, meter: Meter | None = None
+    ) -> None:
         from opentelemetry import metrics
 
         self._clock = clock
@@ -91,7 +97,7 @@ class StepMeter:
         self.filtered: Counter[str] = Counter()
         self.staleness: Counter[int] = Counter()
         self._latency: dict[str, tuple[int, float]] = {}
-        meter = metrics.get_meter("gym_ray.streaming")
+        meter = meter if meter is not None else metrics.get_meter("gym_ray.streaming")
         self._otel_counts: dict[str, Any] = {
             name: meter.create_counter(f"gym_ray.stream.{name}", unit="1", description=text)
             for name, text in (

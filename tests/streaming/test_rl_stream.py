@@ -24,9 +24,14 @@ from gym_ray.servers import serve_config
 from gym_ray.streaming.groups import RolloutGroup
 from gym_ray.streaming.stream import stream
 from gym_ray.streaming.sync import stream_sync
-from tests.streaming.test_stream import _config, _row, _until
+from tests.streaming.test_stream import _config, _row
+from tests.streaming.test_stream import _until as _until_30s
 
 pytestmark = pytest.mark.ray
+
+
+async def _until(check: Any, what: str) -> None:
+    await _until_30s(check, what, timeout_s=120.0)  # the machine is shared: be generous
 
 
 def _key(item: tuple[dict[str, Any], Any]) -> tuple[int, int]:
