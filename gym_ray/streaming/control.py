@@ -204,8 +204,9 @@ class StreamControls:
             self._group_budget = math.ceil(n_groups * oversample)
             self._notify()
         batch: list[RolloutGroup] = []
+        deadline = asyncio.timeout(timeout_s)
         try:
-            async with asyncio.timeout(timeout_s):
+            async with deadline:
                 while len(batch) < n_groups:
                     group = self._take()
                     if group is not None:
@@ -216,18 +217,18 @@ class StreamControls:
                     if self._finished():
                         break
                     await self._wait()
-        except TimeoutError:
-            pass
-        except BaseException:
-            await self._shutdown(drain=False)
-            raise
+        except BaseException as exc:
+            if not (isinstance(exc, TimeoutError) and deadline.expired()):
+                await self._shutdown(drain=False)
+                raise
         self._delivery.commit(batch, self._version)
         self._notify()
-        running = set(self._delivery.running)
-        if carry_over:
-            self._meter.count("carried_over", len(running))
-        else:
-            await self._cancel_groups(running)
+        async with self._control_lock:
+            running = set(self._delivery.running)
+            if carry_over:
+                self._meter.count("carried_over", len(running))
+            else:
+                await self._cancel_groups(running)
         return batch if self._group_size is not None else [group[0] for group in batch]
 
     def _finished(self: _Host) -> bool:

@@ -160,7 +160,8 @@ class StreamWorker:
         self._started = False
         self._error: GymRayError | None = None
         self._running: dict[int, tuple[asyncio.Task[None], dict[str, Any]]] = {}
-        self._cancelled_seqs: set[int] = set()  # cancelled before their submit arrived
+        # Cancelled before their submit arrived (or already pulled): a few ints per cancelled row at most.
+        self._cancelled_seqs: set[int] = set()
 
     def pid(self) -> int:
         """The worker's process id (tests kill it)."""

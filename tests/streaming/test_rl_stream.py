@@ -268,3 +268,39 @@ def test_sync_wrapper_pauses_versions_and_batches(ray_session: Any) -> None:
             rest = list(rollouts)
     assert len(batch) == 3
     assert sorted(g.task_index for g in [*batch, *rest]) == list(range(6))  # type: ignore[union-attr]
+
+
+async def test_a_worker_that_replaces_a_dead_one_starts_paused(ray_session: Any) -> None:
+    rows = [_row(i) for i in range(10)]
+    async with serve_config(_config(fast_ms=500)) as servers:
+        async with stream(rows, config=servers.config, num_workers=2, max_in_flight=4) as rollouts:
+            await _until(lambda: servers.stats("fast_env").in_flight == 4, "4 handlers running")
+            await rollouts.pause("drain")
+            sent = servers.stats("fast_env").requests
+            os.kill((await rollouts.worker_pids())[0], signal.SIGKILL)
+            await _until(lambda: rollouts.stats().workers_lost == 1, "the dead worker replaced")
+
+            async def replaced_and_paused() -> bool:
+                workers = await rollouts.worker_stats()
+                return [w.worker for w in workers] == ["w0.1", "w1.0"] and all(w.paused for w in workers)
+
+            await _until(replaced_and_paused, "the replacement up and paused")
+            await asyncio.sleep(1.0)  # room for a /run the pause failed to stop
+            assert servers.stats("fast_env").requests == sent
+            await rollouts.resume()
+            items = [item async for item in rollouts]
+    assert sorted(_key(item) for item in items) == [(t, 0) for t in range(10)]  # type: ignore[arg-type]
+
+
+async def test_next_batch_timeout_returns_what_is_complete_and_the_stream_goes_on(ray_session: Any) -> None:
+    async with serve_config(_config(slow_ms=60_000)) as servers:
+        rollouts = stream([_row(0, "slow"), _row(1)], config=servers.config, group_size=2, max_in_flight=4)
+        async with rollouts:
+            await _until(lambda: servers.stats("slow_env").in_flight == 2, "the slow group running")
+            await _until(lambda: rollouts.stats().buffered == 2, "the fast group complete")
+            batch = await rollouts.next_batch(2, timeout_s=0.5)
+            assert [g.task_index for g in batch] == [1]  # type: ignore[union-attr]
+            assert rollouts.stats().carried_over == 1
+        await _until(
+            lambda: servers.stats("slow_env").cancelled == 2, "the slow handlers cancelled by the close"
+        )
