@@ -144,6 +144,8 @@ class StreamControls:
         """
         if mode not in ("drain", "abort"):
             raise UsageError(f"pause(mode={mode!r}): mode must be 'drain' or 'abort'")
+        if self._state in ("closing", "closed"):
+            raise UsageError("pause: this stream is closed")
         if self._state == "new":
             await self.start()
         async with self._control_lock:
