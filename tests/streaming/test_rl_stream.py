@@ -304,3 +304,55 @@ async def test_next_batch_timeout_returns_what_is_complete_and_the_stream_goes_o
         await _until(
             lambda: servers.stats("slow_env").cancelled == 2, "the slow handlers cancelled by the close"
         )
+
+
+_CRASHING_TRAINER = """
+import asyncio, json, os, signal, sys
+from gym_ray import keys
+from gym_ray.streaming.stream import stream
+
+config, rows, run_dir, noted = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+
+async def main():
+    rollouts = stream(rows, config=config, max_in_flight=4, record_dir=run_dir, max_staleness=0)
+    with open(noted, "a") as out:
+        for n in range(8):
+            if n == 4:
+                await rollouts.set_policy_version(1)
+            row, _ = await anext(rollouts)
+            out.write(json.dumps([row[keys.TASK_INDEX], row[keys.ROLLOUT_INDEX]]) + "\\n")
+            out.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies mid-stream, rollouts still in flight
+
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_trainer_resumes_with_every_delivered_rollout_recorded_once(
+    ray_session: Any, tmp_path: Any
+) -> None:
+    import json
+    import sys
+
+    run_dir, noted = tmp_path / "run", tmp_path / "delivered.jsonl"
+    rows = [_row(i) for i in range(14)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
+    }
+    async with serve_config(_config(fast_ms=100)) as servers:
+        args = [json.dumps(servers.config), json.dumps(rows), str(run_dir), str(noted)]
+        trainer = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _CRASHING_TRAINER, *args, env=env
+        )
+        assert await asyncio.wait_for(trainer.wait(), timeout=300) == -signal.SIGKILL
+        first = Counter(tuple(json.loads(line)) for line in noted.read_text().splitlines())
+        assert (len(first), set(first.values())) == (8, {1})
+        assert _recorded(run_dir) == first
+        async with stream(
+            rows, config=servers.config, max_in_flight=4, record_dir=run_dir, resume=True
+        ) as again:
+            second = [_key(item) async for item in again]  # type: ignore[arg-type]
+    assert sorted([*first, *second]) == [(t, 0) for t in range(14)]
+    assert _recorded(run_dir) == Counter({(t, 0): 1 for t in range(14)})
