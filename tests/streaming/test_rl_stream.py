@@ -119,16 +119,12 @@ async def test_delivered_outcomes_stay_within_max_staleness(ray_session: Any) ->
             config=servers.config,
             num_workers=2,
             max_in_flight=4,
-            buffer_size=4,
+            buffer_size=8,
             max_staleness=1,
             on_stale=keep,
         )
         async with rollouts:
-
-            async def all_finished() -> bool:
-                return sum(w.finished for w in await rollouts.worker_stats()) == 8
-
-            await _until(all_finished, "8 rollouts finished under version 0")
+            await _until(lambda: rollouts.stats().buffered == 8, "8 rollouts finished under version 0")
             await rollouts.set_policy_version(1)
             first = [(await anext(rollouts), rollouts.policy_version) for _ in range(2)]
             await rollouts.set_policy_version(2)
