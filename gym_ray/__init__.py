@@ -40,6 +40,8 @@ from gym_ray.plan.validation import resolve_task_sources, validate_rows
 from gym_ray.record.ledger import LedgerReport, check_run
 from gym_ray.run.collect import acollect_local
 from gym_ray.run.result import RunResult
+from gym_ray.streaming.filters import drop_uniform_reward
+from gym_ray.streaming.groups import RolloutGroup
 from gym_ray.streaming.row_feed import RowFeed
 from gym_ray.streaming.stream import RolloutStream, stream
 from gym_ray.streaming.sync import stream_sync
@@ -62,6 +64,7 @@ __all__ = [
     "ResumeError",
     "RolloutCollectionHelper",
     "RolloutFailureRecord",
+    "RolloutGroup",
     "RolloutStream",
     "RoutingError",
     "RowFeed",
@@ -86,6 +89,7 @@ __all__ = [
     "acollect_local",
     "check_run",
     "collect",
+    "drop_uniform_reward",
     "load_config",
     "load_jsonl",
     "preprocess_examples",

@@ -17,6 +17,8 @@ ROLLOUT_ID: Final = "_ng_rollout_id"
 ENVIRONMENT_SERVER: Final = "_ng_environment_server"
 TASK_ID_STAMP: Final = "_ng_task_id"
 RUN_ID: Final = "_ng_run_id"
+#: The policy version a streamed rollout was admitted under (on its row, result and recorded line).
+POLICY_VERSION: Final = "_ng_policy_version"
 
 # --- row fields ---------------------------------------------------------------------------------
 RESPONSES_CREATE_PARAMS: Final = "responses_create_params"

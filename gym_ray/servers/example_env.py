@@ -16,7 +16,8 @@ Row fields read: ``responses_create_params``, ``expected_answer``, ``difficulty`
 ``fault_until_attempt``, ``force_failure`` (truthy; a string is the reason), ``force_failure_terminal``
 (default true).
 
-Other routes: ``POST /aggregate_metrics``, ``GET|POST /policy`` (``{"skill": x}`` sets the skill),
+Other routes: ``POST /aggregate_metrics``, ``GET|POST /policy`` (``{"skill": x}`` sets the skill,
+``{"latency_ms": t}`` the base latency of rollouts that start from then on),
 ``GET /_stats``, and the health routes.
 
 Concurrency: handlers run on the server's event loop; a client disconnect cancels the handler (counted
@@ -175,6 +176,13 @@ class ExampleEnvServer:
                 self.policy.skill = body["skill"]
             except ConfigError as exc:
                 return _web.error_response(422, f"POST /policy on {self.name}: {exc}")
+        if "latency_ms" in body:
+            latency = body["latency_ms"]
+            if isinstance(latency, bool) or not isinstance(latency, int | float) or latency < 0:
+                return _web.error_response(
+                    422, f"POST /policy on {self.name}: latency_ms = {latency!r} is not a number >= 0"
+                )
+            self.policy.latency_ms = float(latency)
         return web.json_response(self.policy_settings())
 
     async def _handle_stats(self, request: web.Request) -> web.Response:

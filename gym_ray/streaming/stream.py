@@ -13,7 +13,8 @@ receive at most ``C + buffer_size + max_in_flight`` ``/run`` requests (per attem
 retries after connection failures add to it). With ``group_size = k`` only complete groups count against
 ``buffer_size``; partial groups are bounded by the rows in the workers and the queue.
 
-Delivery promises: every input row's outcome is delivered once. A worker that dies (``RayActorError``) has
+Delivery promises: every input row's outcome is delivered once (unless a group filter drops its group,
+or ``next_batch(carry_over=False)`` cancels it). A worker that dies (``RayActorError``) has
 its undelivered rows (submitted, running, or finished but unpulled) put back at the front of the queue and
 re-run by a replacement worker (up to ``max_worker_restarts``); its late outcomes can never be delivered
 because they were never pulled. ``aclose()`` cancels in-flight rollouts on every worker (the servers see
@@ -24,12 +25,18 @@ Tasks: the reader, the feeders and the pullers are tasks owned by the stream; ``
 ``aclose_and_drain`` (also called when iteration ends, fails or the consuming task is cancelled, e.g. a
 notebook cell interrupt via ``async with``) cancel and join them, stop the workers and kill their actors.
 
-Recording (``record_dir``): each worker incarnation appends every outcome through its own
-:class:`~gym_ray.record.writer.ShardWriter` (shard ``stream-<run>-w<slot>-<incarnation>``). A stream with
+Recording (``record_dir``): the stream appends every outcome it *delivers* (by iteration, ``next_batch``
+or ``aclose_and_drain``) through one :class:`~gym_ray.record.writer.ShardWriter` (shard
+``stream-<run>``), at the moment of delivery, with its ``_ng_policy_version``. Rollouts that were never
+delivered (stale, filtered, aborted, cancelled, or unpulled at a close) are not recorded. A stream with
 ``resume=True`` on the same folder and the same input order skips rows already recorded as done (a success
-or a terminal failure; in group mode a group is skipped only when all its rollouts are).
+or a terminal failure; in group mode a group is skipped only when all its rollouts are), so across a crash
+and a resume every delivered rollout is recorded exactly once.
 
-Layout: this module holds the stream itself; the input side (:class:`RowFeed`, source adaptation, row
+Async RL (versions, pause for weight sync, staleness, batches, group filters): ``gym_ray.streaming.control``.
+
+Layout: this module holds the stream itself; groups and versions are in ``gym_ray.streaming.groups``,
+filters in ``gym_ray.streaming.filters``; the input side (:class:`RowFeed`, source adaptation, row
 stamping) is in ``gym_ray.streaming.row_feed``, the resume skip set (``recorded_keys``) in
 ``gym_ray.record.recorded``, and :func:`stream_sync` / :class:`SyncRolloutStream` in
 ``gym_ray.streaming.sync``.
@@ -43,7 +50,7 @@ import logging
 import os
 import uuid
 from collections import deque
-from collections.abc import AsyncIterable, Iterable, Mapping
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -52,10 +59,15 @@ from gym_ray import keys
 from gym_ray.errors import NoProgressError, UsageError
 from gym_ray.record.recorded import recorded_keys
 from gym_ray.record.run_lock import RunLock
+from gym_ray.streaming.control import StreamControls
+from gym_ray.streaming.delivery import Delivery, StaleCallback
+from gym_ray.streaming.filters import GroupFilter
+from gym_ray.streaming.groups import Item, RolloutGroup, Row
 from gym_ray.streaming.row_feed import aiter_rows, stamp_rows
+from gym_ray.streaming.step_stats import StepMeter, StreamStats
 from gym_ray.streaming.worker import (
     STREAM_WORKER_MAX_CONCURRENCY,
-    Outcome,
+    Finished,
     SeqRow,
     StreamWorker,
 )
@@ -64,39 +76,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RolloutStream", "StreamStats", "stream"]
 
-Row = dict[str, Any]
-Item = tuple[Row, Outcome]
 #: Seconds a ``pull`` long-poll waits for a first outcome.
 PULL_WAIT_S = 0.25
 #: Rows per ``submit`` call at most.
 SUBMIT_BATCH = 64
 #: Seconds the workers get to ``close()`` (end their runs, flush telemetry) before they are killed.
 CLOSE_GRACE_S = 30.0
-
-
-@dataclass(frozen=True)
-class StreamStats:
-    """A snapshot of a stream.
-
-    Attributes:
-        read: Rollout rows read from the input (after ``group_size`` expansion and resume skips).
-        skipped: Rollout rows skipped because ``record_dir`` already holds them (``resume=True``).
-        delivered: Outcomes handed to the consumer (a group counts ``group_size``).
-        buffered: Outcomes waiting in the buffer (complete groups only).
-        queued: Rows waiting for a worker.
-        at_workers: Rows submitted to a worker and not yet pulled back.
-        requeued: Rows re-queued after their worker died.
-        workers_lost: Workers that died.
-    """
-
-    read: int
-    skipped: int
-    delivered: int
-    buffered: int
-    queued: int
-    at_workers: int
-    requeued: int
-    workers_lost: int
 
 
 @dataclass
@@ -111,12 +96,12 @@ class _Slot:
     assigned: dict[int, Row] = field(default_factory=dict)
 
 
-class RolloutStream:
+class RolloutStream(StreamControls):
     """An async iterator of ``(row, result | RolloutFailureRecord)`` in completion order (see module doc).
 
-    With ``group_size`` it yields lists of ``group_size`` items (one task's rollouts, by rollout index).
-    Build it with :func:`stream`; use ``async with`` so that leaving the block (or a cancelled cell)
-    closes it.
+    With ``group_size`` it yields :class:`~gym_ray.streaming.groups.RolloutGroup` lists of ``group_size``
+    items (one task's rollouts, by rollout index). Build it with :func:`stream`; use ``async with`` so that
+    leaving the block (or a cancelled cell) closes it.
     """
 
     def __init__(
@@ -136,12 +121,20 @@ class RolloutStream:
         connect_timeout_s: float = 10.0,
         retry_requests: bool = True,
         run_id: str | None = None,
+        policy_version: int = 0,
+        max_staleness: int | None = None,
+        on_stale: StaleCallback | None = None,
+        group_filter: GroupFilter | Sequence[GroupFilter] | None = None,
+        max_groups_in_flight: int | None = None,
     ) -> None:
         for name, value, low in (
             ("num_workers", num_workers, 1),
             ("group_size", group_size, 1),
             ("max_in_flight", max_in_flight, num_workers),
             ("buffer_size", buffer_size, 1),
+            ("policy_version", policy_version, 0),
+            ("max_staleness", max_staleness, 0),
+            ("max_groups_in_flight", max_groups_in_flight, 1),
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise UsageError(f"stream: {name}={value!r} must be an int >= {low}")
@@ -149,6 +142,10 @@ class RolloutStream:
             raise UsageError(f"stream: timeout_s={timeout_s!r} must be > 0 seconds, or None for no limit")
         if resume and record_dir is None:
             raise UsageError("stream: resume=True needs record_dir=<the run folder to resume>")
+        if group_filter is not None and group_size is None:
+            raise UsageError("stream: group_filter needs group_size (a filter judges a task's whole group)")
+        if on_stale is not None and max_staleness is None:
+            raise UsageError("stream: on_stale needs max_staleness=<versions a rollout may lag behind>")
         self._rows = rows
         self._config = config
         self._num_workers = num_workers
@@ -171,30 +168,26 @@ class RolloutStream:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pullers: set[asyncio.Task[None]] = set()
         self._queue: deque[SeqRow] = deque()
-        self._ready: deque[Item | list[Item]] = deque()
-        self._partial: dict[int, list[tuple[int, Item]]] = {}
+        self._meter = StepMeter(self.run_id)
+        self._delivery = Delivery(
+            group_size=group_size,
+            max_staleness=max_staleness,
+            on_stale=on_stale,
+            group_filter=group_filter,
+            meter=self._meter,
+        )
+        self._version = policy_version
+        self._paused = False
+        self._group_budget = max_groups_in_flight
         self._changed = asyncio.Event()
         self._source_done = False
         self._error: BaseException | None = None
-        self._reserved = self._buffered = 0
-        self._open = 0  # rows read and not yet in the buffer
-        self._read = self._skipped = self._delivered = self._requeued = self._lost = 0
+        self._reserved = 0
+        self._read = self._skipped = self._requeued = self._lost = 0
         self._start_lock = asyncio.Lock()
+        self._control_lock = asyncio.Lock()  # pause / resume / set_policy_version / next_batch ends
 
     # --- public ---------------------------------------------------------------------------------
-
-    def stats(self) -> StreamStats:
-        """Counters so far."""
-        return StreamStats(
-            read=self._read,
-            skipped=self._skipped,
-            delivered=self._delivered,
-            buffered=self._buffered,
-            queued=len(self._queue),
-            at_workers=sum(len(slot.assigned) for slot in self._slots),
-            requeued=self._requeued,
-            workers_lost=self._lost,
-        )
 
     async def worker_pids(self) -> list[int]:
         """Process ids of the live workers, by slot (starts the stream if needed)."""
@@ -229,24 +222,21 @@ class RolloutStream:
     def __aiter__(self) -> RolloutStream:
         return self
 
-    async def __anext__(self) -> Item | list[Item]:
+    async def __anext__(self) -> Item | RolloutGroup:
         if self._state == "new":
             await self.start()
         try:
             while True:
-                if self._ready:
-                    item = self._ready.popleft()
-                    size = len(item) if isinstance(item, list) else 1
-                    self._buffered -= size
-                    self._delivered += size
+                group = self._take()
+                if group is not None:
+                    self._delivery.commit([group], self._version)
                     self._notify()
-                    return item
+                    return group if self._group_size is not None else group[0]
                 if self._error is not None:
                     raise self._error
-                if self._state in ("closing", "closed") or (self._source_done and self._open == 0):
+                if self._finished():
                     break
-                self._changed.clear()
-                await self._changed.wait()
+                await self._wait()
         except BaseException:
             await self._shutdown(drain=False)
             raise
@@ -256,14 +246,15 @@ class RolloutStream:
     async def aclose(self) -> None:
         """Cancel in-flight rollouts on every worker, wait until they have ended, stop the workers.
 
-        Outcomes not yet delivered are dropped. Idempotent.
+        Outcomes not yet delivered are dropped (and not recorded). Idempotent.
         """
         await self._shutdown(drain=False)
 
-    async def aclose_and_drain(self) -> list[Item | list[Item]]:
+    async def aclose_and_drain(self) -> list[Any]:
         """Like :meth:`aclose`, but return the finished, undelivered outcomes (once; later calls get ``[]``).
 
         Items have the iteration's shape; in group mode an incomplete group comes back as a shorter list.
+        They count as delivered (and are recorded): stale ones (``max_staleness``) are left out.
         """
         return await self._shutdown(drain=True)
 
@@ -294,6 +285,11 @@ class RolloutStream:
         done: set[tuple[int, int]] = set()
         if self._resume and self._record_dir is not None:
             done = await asyncio.to_thread(recorded_keys, self._record_dir)
+        if self._record_dir is not None:
+            shard, identity = f"stream-{self.run_id[:12]}", self._topology.identity_digest()
+            await asyncio.to_thread(
+                self._delivery.open_writer, self._record_dir, shard, self.run_id, identity
+            )
         base, extra = divmod(self._max_in_flight, self._num_workers)
         self._slots = [_Slot(i, base + (1 if i < extra else 0)) for i in range(self._num_workers)]
         logger.info(
@@ -321,7 +317,6 @@ class RolloutStream:
     def _launch(self, slot: _Slot) -> None:
         import ray
 
-        shard = f"stream-{self.run_id[:12]}-w{slot.index}-{slot.incarnation}"
         worker: Any = ray.remote(StreamWorker).options(
             num_cpus=0, max_concurrency=STREAM_WORKER_MAX_CONCURRENCY
         )
@@ -333,9 +328,8 @@ class RolloutStream:
             request_timeout_s=self._timeout_s,
             connect_timeout_s=self._connect_timeout_s,
             retry_requests=self._retry_requests,
-            record_dir=self._record_dir,
-            run_id=self.run_id,
-            shard=shard,
+            policy_version=self._version,
+            paused=self._paused,
         )
         slot.run_ref = slot.handle.run.remote()
 
@@ -359,7 +353,7 @@ class RolloutStream:
         self._changed.clear()
         await self._changed.wait()
 
-    async def _shutdown(self, *, drain: bool) -> list[Item | list[Item]]:
+    async def _shutdown(self, *, drain: bool) -> list[Any]:
         import ray
 
         if self._state == "closed" or self._state == "closing":
@@ -375,7 +369,7 @@ class RolloutStream:
             task.cancel()
         if others or pullers:
             await asyncio.wait([*others, *pullers])  # a draining puller ends after its pull (<= PULL_WAIT_S)
-        drained: list[Item | list[Item]] = []
+        drained: list[RolloutGroup] = []
         live = [slot for slot in self._slots if slot.handle is not None]
         try:
             # Bounded: a worker that does not close in time is killed below (the backstop).
@@ -386,60 +380,63 @@ class RolloutStream:
                     call.cancel()
             results = await asyncio.gather(*closing, return_exceptions=True)
             if drain:
-                drained = list(self._ready)
                 for slot, result in zip(live, results, strict=True):
                     if isinstance(result, list):
-                        self._accept(slot, result, into=drained)
-                drained.extend(
-                    [item for _, item in sorted(group, key=lambda pair: pair[0])]
-                    for _, group in sorted(self._partial.items())
-                )
+                        self._accept(slot, result)
+                drained = self._delivery.drain(self._version)
+                self._delivery.commit(drained, self._version)
             await asyncio.gather(*(slot.run_ref for slot in live), return_exceptions=True)
         finally:
             self._state = "closed"
+            self._meter.resume()
             for slot in live:
                 ray.kill(slot.handle, no_restart=True)
                 slot.handle = None
-            self._ready.clear()
-            self._partial.clear()
-            self._buffered = 0
+            self._delivery.clear()
+            self._delivery.close_writer()
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
             if self._owns_ray:
                 self._owns_ray = False
                 await asyncio.to_thread(ray.shutdown)
-        return drained
+        return drained if self._group_size is not None else [group[0] for group in drained]
 
     # --- input -----------------------------------------------------------------------------------
 
     async def _read_source(self, done: set[tuple[int, int]]) -> None:
         bound = self._max_in_flight + self._num_workers * SUBMIT_BATCH
+        width = self._delivery.width
         next_task = 0
         seq_base = 0
         async for raw in aiter_rows(self._rows):
+            while (
+                self._group_budget is not None
+                and len(self._delivery.running) >= self._group_budget
+                and self._state == "running"
+            ):
+                await self._wait()
             own = raw.get(keys.TASK_INDEX) if isinstance(raw, Mapping) else None
             task = own if type(own) is int else next_task
             next_task = max(next_task, task + 1)
             position = self._read + self._skipped
             rows = stamp_rows(
                 raw,
-                position=position // (self._group_size or 1),
+                position=position // width,
                 task=task,
                 run_id=self.run_id,
                 group_size=self._group_size,
                 topology=self._topology,
             )
-            width = len(rows)
             keys_of = [(r[keys.TASK_INDEX], r[keys.ROLLOUT_INDEX]) for r in rows]
             if done and all(k in done for k in keys_of):
                 self._skipped += width
                 continue
+            self._delivery.opened(seq_base // width)
             for offset, row in enumerate(rows):
                 while len(self._queue) >= bound and self._state == "running":
                     await self._wait()
                 self._queue.append((seq_base + offset, row))
-                self._open += 1
                 self._read += 1
                 self._notify()
             seq_base += width
@@ -479,7 +476,7 @@ class RolloutStream:
                 available = await slot.handle.ready.remote(PULL_WAIT_S)
                 if not available:
                     continue
-                room = min(self._buffer_size - self._buffered - self._reserved, available)
+                room = min(self._buffer_size - self._delivery.buffered - self._reserved, available)
                 if room <= 0:
                     await self._wait()
                     continue
@@ -493,7 +490,7 @@ class RolloutStream:
                     return
                 await self._replace(slot, exc)
                 continue
-            self._accept(slot, items, into=None)
+            self._accept(slot, items)
 
     async def _replace(self, slot: _Slot, exc: BaseException) -> None:
         """The slot's worker died: re-queue its rows in seq order, start a replacement (budget allowing)."""
@@ -525,26 +522,18 @@ class RolloutStream:
         self._spawn(self._feed(slot))
         self._notify()
 
-    def _accept(
-        self, slot: _Slot, items: list[tuple[int, Outcome]], *, into: list[Item | list[Item]] | None
-    ) -> None:
-        target = self._ready if into is None else into
-        for seq, outcome in items:
+    def _accept(self, slot: _Slot, items: list[Finished]) -> None:
+        """Hand pulled outcomes to the delivery side; stale ones go back to the head of the queue."""
+        requeue: list[SeqRow] = []
+        for seq, outcome, version in items:
             row = slot.assigned.pop(seq, None)
             if row is None:
-                continue  # not this worker's any more (never happens with pop-once pulls)
-            self._open -= 1
-            if self._group_size is None:
-                target.append((row, outcome))
-                self._buffered += 1 if into is None else 0
-                continue
-            gid, index = divmod(seq, self._group_size)
-            group = self._partial.setdefault(gid, [])
-            group.append((index, (row, outcome)))
-            if len(group) == self._group_size:
-                del self._partial[gid]
-                target.append([item for _, item in sorted(group, key=lambda pair: pair[0])])
-                self._buffered += self._group_size if into is None else 0
+                continue  # cancelled, or not this worker's any more
+            again = self._delivery.accept(seq, row, outcome, version, self._version)
+            if again is not None:
+                requeue.append(again)
+        requeue.sort(key=lambda pair: pair[0])
+        self._queue.extendleft(reversed(requeue))
         self._notify()
 
 
@@ -562,14 +551,24 @@ def stream(
     address: str | None = None,
     max_worker_restarts: int | None = None,
     retry_requests: bool = True,
+    policy_version: int = 0,
+    max_staleness: int | None = None,
+    on_stale: StaleCallback | None = None,
+    group_filter: GroupFilter | Sequence[GroupFilter] | None = None,
+    max_groups_in_flight: int | None = None,
 ) -> RolloutStream:
     """Stream rollouts of ``rows`` from Ray worker actors, in completion order, with backpressure.
 
     Example::
 
-        async with gym_ray.stream(rows, config=cfg, group_size=4) as rollouts:
-            async for group in rollouts:          # 4 (row, result | RolloutFailureRecord) pairs
-                rewards = [o["reward"] for _, o in group if not isinstance(o, RolloutFailureRecord)]
+        async with gym_ray.stream(rows, config=cfg, group_size=4, max_staleness=1,
+                                  group_filter=gym_ray.drop_uniform_reward) as rollouts:
+            for step in range(steps):
+                batch = await rollouts.next_batch(8, oversample=1.25)   # 8 RolloutGroups
+                train_on(batch)
+                await rollouts.pause()                                  # weight sync
+                await rollouts.set_policy_version(step + 1)
+                await rollouts.resume()
 
     Args:
         rows: Input rows: a list, a sync iterator, or an async iterator (e.g. a :class:`RowFeed`) fed while
@@ -577,16 +576,24 @@ def stream(
             counter in input order), ``_ng_rollout_index`` and ``_ng_run_id``.
         config: The running config (dict, or YAML path); a head-only config is completed from the head.
         num_workers: Worker actors (``num_cpus=0`` each).
-        group_size: Run each input row this many times and yield the task's rollouts together, as a list
-            ordered by rollout index, once all are done.
+        group_size: Run each input row this many times and yield the task's rollouts together, as a
+            :class:`~gym_ray.streaming.groups.RolloutGroup` ordered by rollout index, once all are done.
         max_in_flight: Rows admitted and not yet pulled, over all workers (split evenly; >= num_workers).
         buffer_size: Outcomes finished and not yet taken by the consumer (default ``max_in_flight``).
         timeout_s: Timeout of each ``/run`` request; a timed-out rollout is a failure record.
-        record_dir: Record every outcome in this run folder (one shard per worker incarnation).
+        record_dir: Record every delivered outcome in this run folder (shard ``stream-<run id>``).
         resume: Skip rows ``record_dir`` already holds as done (same input order as the recorded run).
         address: Ray cluster to join when Ray is not initialized (default ``RAY_ADDRESS``, else local).
         max_worker_restarts: Replacement workers allowed (default ``2 * num_workers``).
         retry_requests: Replay a ``/run`` after a connection failure.
+        policy_version: The policy version at the start (see :meth:`RolloutStream.set_policy_version`).
+        max_staleness: Deliver no rollout whose version is more than this many versions behind the version
+            current at delivery; its row runs again under the current version (None: no bound).
+        on_stale: ``(row, outcome) -> None``, called with each stale rollout before its row runs again.
+        group_filter: ``(group) -> bool`` (or a list of them; needs ``group_size``): a complete group is
+            delivered only when every filter returns True, e.g. :func:`gym_ray.drop_uniform_reward`.
+        max_groups_in_flight: Input rows (groups) read and not yet complete at most (None: bounded by
+            ``max_in_flight`` only); ``next_batch(oversample=...)`` sets it too.
 
     Returns:
         The stream; nothing starts until ``async with``, :meth:`RolloutStream.start` or the first item.
@@ -608,4 +615,9 @@ def stream(
         address=address,
         max_worker_restarts=max_worker_restarts,
         retry_requests=retry_requests,
+        policy_version=policy_version,
+        max_staleness=max_staleness,
+        on_stale=on_stale,
+        group_filter=group_filter,
+        max_groups_in_flight=max_groups_in_flight,
     )

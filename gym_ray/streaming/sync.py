@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from gym_ray.errors import UsageError
-from gym_ray.streaming.stream import Item, RolloutStream, StreamStats, stream
+from gym_ray.streaming.groups import Item, RolloutGroup
+from gym_ray.streaming.stream import RolloutStream, StreamStats, stream
 
 __all__ = ["SyncRolloutStream", "stream_sync"]
 
@@ -34,10 +35,10 @@ class SyncRolloutStream:
         self._runner = asyncio.Runner()
         self._closed = False
 
-    def __iter__(self) -> Iterator[Item | list[Item]]:
+    def __iter__(self) -> Iterator[Item | RolloutGroup]:
         return self
 
-    def __next__(self) -> Item | list[Item]:
+    def __next__(self) -> Item | RolloutGroup:
         try:
             return self._runner.run(self._inner.__anext__())
         except StopAsyncIteration:
@@ -51,11 +52,42 @@ class SyncRolloutStream:
         """See :meth:`RolloutStream.stats`."""
         return self._inner.stats()
 
+    def set_policy_version(self, version: int) -> None:
+        """See :meth:`RolloutStream.set_policy_version`."""
+        self._runner.run(self._inner.set_policy_version(version))
+
+    def pause(self, mode: Literal["drain", "abort"] = "drain") -> None:
+        """See :meth:`RolloutStream.pause`."""
+        self._runner.run(self._inner.pause(mode))
+
+    def resume(self) -> None:
+        """See :meth:`RolloutStream.resume`."""
+        self._runner.run(self._inner.resume())
+
+    def next_batch(
+        self,
+        n_groups: int,
+        *,
+        timeout_s: float | None = None,
+        oversample: float | None = None,
+        carry_over: bool = True,
+    ) -> list[Any]:
+        """See :meth:`RolloutStream.next_batch`; an error closes the stream."""
+        try:
+            return self._runner.run(
+                self._inner.next_batch(
+                    n_groups, timeout_s=timeout_s, oversample=oversample, carry_over=carry_over
+                )
+            )
+        except BaseException:
+            self.close()
+            raise
+
     def close(self) -> None:
         """See :meth:`RolloutStream.aclose`; also closes the private loop. Idempotent."""
         self.close_and_drain()
 
-    def close_and_drain(self) -> list[Item | list[Item]]:
+    def close_and_drain(self) -> list[Any]:
         """See :meth:`RolloutStream.aclose_and_drain`; also closes the private loop. Idempotent."""
         if self._closed:
             return []

@@ -2,24 +2,27 @@
 
 One :class:`StreamWorker` is one async Ray actor with one HTTP client pool. The stream (the driver side)
 ``submit``\\ s batches of ``(seq, row)`` into the worker's bounded inbox and long-polls ``pull`` for finished
-outcomes. Inside, an admission loop turns inbox rows into dispatch segments (each a bounded
-:func:`gym_ray.dispatch.engine.dispatch` over the rows available at that moment, failures routed to
-records), and
-every finished outcome goes to the outbox.
+outcomes. Inside, an admission loop turns each inbox row into one task that POSTs its ``/run`` (routing and
+failure classification as in :mod:`gym_ray.dispatch.engine`, failures routed to records), and every
+finished outcome goes to the outbox with the policy version the row was admitted under.
 
 Backpressure promise (exact): a row takes one of the worker's ``max_in_flight`` credits when it is
-admitted and gives it back only when its outcome has been *pulled*. So rows sent to servers and not yet
-pulled never exceed ``max_in_flight``: when the consumer stops pulling, the worker stops admitting.
+admitted and gives it back only when its outcome has been *pulled* (or the row was aborted or cancelled).
+So rows sent to servers and not yet pulled never exceed ``max_in_flight``: when the consumer stops pulling,
+the worker stops admitting.
 
-Concurrency promises: the admission loop and every segment are tasks owned by ``run()``'s TaskGroup;
-``close()`` stops admission, cancels every segment (its in-flight ``/run`` requests are cancelled, so the
-servers see their handlers cancelled), waits until ``run()`` has ended and the client pool is closed, and
+Versions and pausing: the worker stamps every row it admits with its current policy version (set at
+construction, by ``set_policy_version`` and by ``resume``). ``pause`` stops admission before it returns:
+``drain`` then waits until every admitted row has finished; ``abort`` cancels them (the servers see their
+handlers cancelled) and puts their rows back at the head of the inbox, so they run again first after
+``resume``. ``cancel(seqs)`` removes rows for good wherever they are (inbox, running, outbox).
+
+Concurrency promises: the admission loop and every row task are owned by ``run()``'s TaskGroup;
+``close()`` stops admission, cancels every row task (its in-flight ``/run`` request is cancelled, so the
+server sees its handler cancelled), waits until ``run()`` has ended and the client pool is closed, and
 returns the unpulled outcomes when asked to drain. Outcomes are handed out once (popped by ``pull`` or
-``close``). With a ``record_dir`` every outcome is appended through a
-:class:`~gym_ray.record.writer.ShardWriter`
-(one shard per worker incarnation) before it enters the outbox, so a recorded outcome survives a crash of
-either side. Only picklable data crosses the actor boundary: rows, result dicts and
-:class:`~gym_ray.dispatch.outcomes.RolloutFailureRecord`.
+``close``). The worker records nothing: the stream records what it delivers. Only picklable data crosses
+the actor boundary: rows, result dicts and :class:`~gym_ray.dispatch.outcomes.RolloutFailureRecord`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import asyncio
 import logging
 import os
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,11 +45,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Actor ``max_concurrency``: run, submit, pull, close, stats and pid calls at once (rows are not calls).
+#: Actor ``max_concurrency``: run, submit, pull, close, pause, stats and pid calls at once (rows are not
+#: calls).
 STREAM_WORKER_MAX_CONCURRENCY = 16
 
 Outcome = dict[str, Any] | RolloutFailureRecord
 SeqRow = tuple[int, dict[str, Any]]
+#: ``(seq, outcome, policy version the row was admitted under)``.
+Finished = tuple[int, Outcome, int]
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,10 @@ class StreamWorkerStats:
         outbox: Finished outcomes not yet pulled.
         inbox: Rows submitted and not yet admitted.
         credits: Free admission credits (``max_in_flight - in_flight - outbox``).
+        paused: Admission is paused.
+        policy_version: The version stamped on rows admitted now.
+        aborted: Rows whose ``/run`` was cancelled by ``pause(abort=True)``.
+        cancelled: Rows removed by ``cancel``.
     """
 
     worker: str
@@ -72,6 +82,10 @@ class StreamWorkerStats:
     outbox: int
     inbox: int
     credits: int
+    paused: bool = False
+    policy_version: int = 0
+    aborted: int = 0
+    cancelled: int = 0
 
 
 def outcome_of(row: Mapping[str, Any], outcome: CompletedRollout | RolloutFailureRecord) -> Outcome:
@@ -102,16 +116,15 @@ class StreamWorker:
     ``pull``.
 
     Args:
-        worker_id: The worker's name (also its shard label suffix when recording).
+        worker_id: The worker's name.
         topology: The running config, parsed (shipped as the object; never parsed again here).
         max_in_flight: Admission credits of this worker (>= 1).
         inbox_size: Rows ``submit`` may park before it waits for admission (>= 1).
         request_timeout_s: Timeout of each ``/run`` request (None: no limit).
         connect_timeout_s: Connect timeout of the client pool.
         retry_requests: Replay a request after a connection failure (see :class:`ServerClient`).
-        record_dir: Run folder to record every outcome in, or None.
-        run_id: The stream's run id (recorded in the shard's lock token and progress).
-        shard: The shard label this worker records under.
+        policy_version: The version stamped on admitted rows until told otherwise.
+        paused: Start with admission paused (until ``resume``).
     """
 
     def __init__(
@@ -124,9 +137,8 @@ class StreamWorker:
         request_timeout_s: float | None,
         connect_timeout_s: float,
         retry_requests: bool,
-        record_dir: str | None,
-        run_id: str,
-        shard: str,
+        policy_version: int = 0,
+        paused: bool = False,
     ) -> None:
         if max_in_flight < 1 or inbox_size < 1:
             raise InternalError(f"max_in_flight={max_in_flight} and inbox_size={inbox_size} must be >= 1")
@@ -137,20 +149,20 @@ class StreamWorker:
         self._request_timeout_s = request_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._retry_requests = retry_requests
-        self._record_dir = record_dir
-        self._run_id = run_id
-        self._shard = shard
+        self._version = policy_version
+        self._paused = paused
         self._inbox: deque[SeqRow] = deque()
-        self._outbox: deque[tuple[int, Outcome]] = deque()
+        self._outbox: deque[Finished] = deque()
         self._credits = max_in_flight
-        self._admitted = self._finished = 0
-        self._changed = asyncio.Event()  # inbox, outbox, credits or stop changed
+        self._admitted = self._finished = self._aborted = self._cancelled = 0
+        self._changed = asyncio.Event()  # inbox, outbox, credits, running rows, pause or stop changed
         self._stop = asyncio.Event()
         self._ended = asyncio.Event()
         self._started = False
         self._error: GymRayError | None = None
-        self._health: ServerHealth | None = None
-        self._segments: set[asyncio.Task[None]] = set()
+        self._running: dict[int, tuple[asyncio.Task[None], dict[str, Any]]] = {}
+        # Cancelled before their submit arrived (or already pulled): a few ints per cancelled row at most.
+        self._cancelled_seqs: set[int] = set()
 
     def pid(self) -> int:
         """The worker's process id (tests kill it)."""
@@ -158,16 +170,19 @@ class StreamWorker:
 
     def stats(self) -> StreamWorkerStats:
         """A snapshot of the counters."""
-        in_flight = self._max_in_flight - self._credits - len(self._outbox)
         return StreamWorkerStats(
             worker=self._worker_id,
             pid=os.getpid(),
             admitted=self._admitted,
             finished=self._finished,
-            in_flight=in_flight,
+            in_flight=len(self._running),
             outbox=len(self._outbox),
             inbox=len(self._inbox),
             credits=self._credits,
+            paused=self._paused,
+            policy_version=self._version,
+            aborted=self._aborted,
+            cancelled=self._cancelled,
         )
 
     def _notify(self) -> None:
@@ -184,17 +199,13 @@ class StreamWorker:
                 await self._wait_change()
             if self._stop.is_set():
                 return
+            if item[0] in self._cancelled_seqs:
+                self._cancelled_seqs.discard(item[0])
+                continue
             self._inbox.append(item)
             self._notify()
 
-    async def pull(self, max_items: int, wait_s: float) -> list[tuple[int, Outcome]]:
-        """Up to ``max_items`` finished outcomes, waiting up to ``wait_s`` for the first one.
-
-        Pulled outcomes give their admission credits back. After ``close()`` the outbox is still handed out.
-
-        Raises:
-            GymRayError: ``run()`` failed (a shard write failed, say): the worker admits nothing more.
-        """
+    async def _wait_outbox(self, wait_s: float) -> None:
         if not self._outbox and not self._stop.is_set() and self._error is None:
             try:
                 async with asyncio.timeout(wait_s):
@@ -204,6 +215,16 @@ class StreamWorker:
                 pass
         if self._error is not None and not self._outbox:
             raise self._error
+
+    async def pull(self, max_items: int, wait_s: float) -> list[Finished]:
+        """Up to ``max_items`` finished outcomes, waiting up to ``wait_s`` for the first one.
+
+        Pulled outcomes give their admission credits back. After ``close()`` the outbox is still handed out.
+
+        Raises:
+            GymRayError: ``run()`` failed: the worker admits nothing more.
+        """
+        await self._wait_outbox(wait_s)
         count = min(max(0, max_items), len(self._outbox))
         items = [self._outbox.popleft() for _ in range(count)]
         self._credits += count
@@ -217,18 +238,81 @@ class StreamWorker:
         Raises:
             GymRayError: ``run()`` failed and nothing is left to pull.
         """
-        if not self._outbox and not self._stop.is_set() and self._error is None:
-            try:
-                async with asyncio.timeout(wait_s):
-                    while not self._outbox and not self._stop.is_set() and self._error is None:
-                        await self._wait_change()
-            except TimeoutError:
-                pass
-        if self._error is not None and not self._outbox:
-            raise self._error
+        await self._wait_outbox(wait_s)
         return len(self._outbox)
 
-    async def close(self, drain: bool) -> list[tuple[int, Outcome]]:
+    def set_policy_version(self, version: int) -> None:
+        """Stamp ``version`` on every row admitted from now on."""
+        self._version = version
+
+    async def pause(self, abort: bool) -> int:
+        """Stop admission; then wait for the running rows to finish, or cancel them (``abort``).
+
+        Aborted rows go back to the head of the inbox in seq order and give their credits back; their
+        outcomes are never produced. Returns the number of rows aborted (0 without ``abort``).
+        """
+        self._paused = True
+        self._notify()
+        if not abort:
+            while self._running and not self._stop.is_set() and not self._ended.is_set():
+                await self._wait_change()
+            return 0
+        aborted = sorted((seq, row) for seq, (_, row) in self._running.items())
+        await self._cancel_running([seq for seq, _ in aborted])
+        self._inbox.extendleft(reversed(aborted))
+        self._aborted += len(aborted)
+        self._notify()
+        return len(aborted)
+
+    def resume(self, version: int) -> None:
+        """Restart admission, stamping ``version`` on the rows admitted from now on."""
+        self._version = version
+        self._paused = False
+        self._notify()
+
+    async def cancel(self, seqs: Iterable[int]) -> int:
+        """Remove these rows for good, wherever they are; returns how many were found.
+
+        Rows in the inbox are dropped, running rows have their ``/run`` cancelled (this waits until their
+        tasks have ended, so the servers see the handlers cancelled), finished ones leave the outbox
+        unpulled, and a row whose ``submit`` has not arrived yet is dropped when it does.
+        """
+        wanted = set(seqs)
+        found: set[int] = set()
+        kept: deque[SeqRow] = deque()
+        for item in self._inbox:
+            if item[0] in wanted:
+                found.add(item[0])
+            else:
+                kept.append(item)
+        self._inbox = kept
+        running = [seq for seq in self._running if seq in wanted]
+        found.update(running)
+        await self._cancel_running(running)
+        outbox: deque[Finished] = deque()
+        for finished in self._outbox:
+            if finished[0] in wanted:
+                found.add(finished[0])
+            else:
+                outbox.append(finished)
+        self._credits += len(self._outbox) - len(outbox)
+        self._outbox = outbox
+        self._cancelled_seqs |= wanted - found
+        self._cancelled += len(found)
+        self._notify()
+        return len(found)
+
+    async def _cancel_running(self, seqs: list[int]) -> None:
+        tasks = []
+        for seq in seqs:
+            task, _ = self._running.pop(seq)
+            task.cancel()
+            tasks.append(task)
+        self._credits += len(tasks)
+        if tasks:
+            await asyncio.wait(tasks)
+
+    async def close(self, drain: bool) -> list[Finished]:
         """Stop admission, cancel in-flight rows, wait for ``run()``, flush and shut down this process's
         telemetry (:func:`~gym_ray.observe.tracing.shutdown_tracing`); return unpulled outcomes if ``drain``.
 
@@ -238,8 +322,8 @@ class StreamWorker:
 
         self._stop.set()
         self._notify()
-        for segment in list(self._segments):
-            segment.cancel()
+        for task, _ in list(self._running.values()):
+            task.cancel()
         if self._started:
             await self._ended.wait()
         await asyncio.to_thread(shutdown_tracing)
@@ -253,10 +337,11 @@ class StreamWorker:
         """Admit rows until ``close()``; returns the number of rows finished.
 
         Raises:
-            GymRayError: Recording failed (the error is also raised by later ``pull`` calls).
+            GymRayError: A row's dispatch failed unexpectedly (the error is also raised by later ``pull``
+                calls).
         """
         from gym_ray.dispatch.client import ServerClient
-        from gym_ray.record.writer import ShardWriter
+        from gym_ray.dispatch.engine import build_dispatcher
 
         if self._started:
             raise InternalError(f"stream worker {self._worker_id}: run() called twice")
@@ -265,7 +350,7 @@ class StreamWorker:
             topology = self._topology
             logger.info(
                 "stream worker %s (pid %d): max_in_flight=%d inbox_size=%d, TCPConnector limit=%d, "
-                "request_timeout_s=%s connect_timeout_s=%s, actor max_concurrency=%d, record_dir=%s",
+                "request_timeout_s=%s connect_timeout_s=%s, actor max_concurrency=%d",
                 self._worker_id,
                 os.getpid(),
                 self._max_in_flight,
@@ -274,40 +359,32 @@ class StreamWorker:
                 self._request_timeout_s,
                 self._connect_timeout_s,
                 STREAM_WORKER_MAX_CONCURRENCY,
-                self._record_dir,
             )
-            writer: ShardWriter | None = None
-            if self._record_dir is not None:
-                writer = ShardWriter(
-                    self._record_dir,
-                    self._shard,
-                    run_id=self._run_id,
-                    config_identity=topology.identity_digest(),
-                ).open()
-            try:
-                async with (
-                    ServerClient(
-                        topology,
-                        max_connections=self._max_in_flight,
-                        connect_timeout_s=self._connect_timeout_s,
-                        request_timeout_s=self._request_timeout_s,
-                        retry_requests=self._retry_requests,
-                    ) as client,
-                    ServerHealth(client) as health,
-                ):
-                    # infrastructure failures are resent and a down server's rows wait (see ServerHealth)
-                    self._health = health
-                    async with asyncio.TaskGroup() as group:
-                        admit = group.create_task(self._admit(group, client, topology, writer))
-                        await self._stop.wait()
-                        admit.cancel()
-                        for segment in list(self._segments):
-                            segment.cancel()
-                if writer is not None:
-                    writer.write_progress()
-            finally:
-                if writer is not None:
-                    writer.close()
+            async with (
+                ServerClient(
+                    topology,
+                    max_connections=self._max_in_flight,
+                    connect_timeout_s=self._connect_timeout_s,
+                    request_timeout_s=self._request_timeout_s,
+                    retry_requests=self._retry_requests,
+                ) as client,
+                ServerHealth(client) as health,
+            ):
+                # infrastructure failures are resent and a down server's rows wait (see ServerHealth)
+                runner = build_dispatcher(
+                    client,
+                    topology,
+                    shape="completed",
+                    route_failures_to_sidecar=True,
+                    retry_requests=self._retry_requests,
+                    health=health,
+                )
+                async with asyncio.TaskGroup() as group:
+                    admit = group.create_task(self._admit(group, runner))
+                    await self._stop.wait()
+                    admit.cancel()
+                    for task, _ in list(self._running.values()):
+                        task.cancel()
         except ExceptionGroup as group_error:
             first = group_error.exceptions[0]
             self._error = (
@@ -322,40 +399,23 @@ class StreamWorker:
             self._notify()
         return self._finished
 
-    async def _admit(self, group: asyncio.TaskGroup, client: Any, topology: Any, writer: Any) -> None:
+    async def _admit(self, group: asyncio.TaskGroup, runner: Any) -> None:
         while True:
-            while self._credits < 1 or not self._inbox:
+            while self._paused or self._credits < 1 or not self._inbox:
                 await self._wait_change()
-            batch: list[SeqRow] = []
-            while self._inbox and len(batch) < self._credits:
-                batch.append(self._inbox.popleft())
-            self._credits -= len(batch)
-            self._admitted += len(batch)
+            seq, row = self._inbox.popleft()
+            self._credits -= 1
+            self._admitted += 1
             self._notify()  # inbox space for submit
-            segment = group.create_task(self._segment(batch, client, topology, writer))
-            self._segments.add(segment)
-            segment.add_done_callback(self._segments.discard)
+            task = group.create_task(self._run_row(seq, row, runner, self._version))
+            self._running[seq] = (task, row)
 
-    async def _segment(self, batch: list[SeqRow], client: Any, topology: Any, writer: Any) -> None:
-        from gym_ray.dispatch.engine import dispatch
-
-        seq_of = {id(row): seq for seq, row in batch}
-        completions = dispatch(
-            [row for _, row in batch],
-            client,
-            topology,
-            max_resident_tasks=len(batch),
-            route_failures_to_sidecar=True,
-            retry_requests=self._retry_requests,
-            health=self._health,
-        )
-        try:
-            async for row, outcome in completions:
-                item = outcome_of(row, outcome)
-                if writer is not None:
-                    writer.append(item.to_row() if isinstance(item, RolloutFailureRecord) else item)
-                self._finished += 1
-                self._outbox.append((seq_of[id(row)], item))
-                self._notify()
-        finally:
-            await completions.aclose()
+    async def _run_row(self, seq: int, row: dict[str, Any], runner: Any, version: int) -> None:
+        row, outcome = await runner.run(row)
+        entry = self._running.get(seq)
+        if entry is None or entry[0] is not asyncio.current_task():
+            return  # aborted or cancelled after the reply arrived: the outcome is not handed out
+        del self._running[seq]
+        self._finished += 1
+        self._outbox.append((seq, outcome_of(row, outcome), version))
+        self._notify()

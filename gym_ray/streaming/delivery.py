@@ -1,0 +1,210 @@
+"""The stream's delivery side: from finished rollouts to the groups a consumer receives, exactly once.
+
+A :class:`Delivery` holds every rollout row a stream has read and not yet delivered or dropped, in one of
+these places: queued or at a worker (counted in ``open``, its group in ``running``), accepted into a
+partial group (``partial``), or in a complete group waiting in the buffer (``ready``). Without
+``group_size`` every rollout is a group of one.
+
+Rules (see :mod:`gym_ray.streaming.groups` and :mod:`gym_ray.streaming.filters`):
+
+- A finished rollout is stamped with the version it was admitted under (``_ng_policy_version`` on the row
+  and on the result). With ``max_staleness`` it is checked when it arrives and again when its group is
+  taken for delivery: a stale rollout goes back to the caller to be queued again (head of the queue),
+  and ``on_stale(row, outcome)`` sees it first. Its group waits for the re-run.
+- A complete group passes the group filters or is dropped (counted by reason); its place is free for
+  the next input row.
+- :meth:`commit` is the moment of delivery: the delivered rollouts are counted and, with a writer,
+  recorded (a success line, or the failure record's line, each with its version). Nothing is recorded
+  that was not delivered, so a resumed stream re-runs exactly what was never delivered.
+
+Concurrency: one event loop (the stream's); no awaits inside, so every method is atomic.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gym_ray import keys
+from gym_ray.dispatch.outcomes import RolloutFailureRecord
+from gym_ray.streaming.filters import GroupFilter, filter_names, filter_verdict
+from gym_ray.streaming.groups import Item, RolloutGroup, Row, is_stale, version_of
+from gym_ray.streaming.step_stats import StepMeter
+from gym_ray.streaming.worker import Outcome, SeqRow
+
+__all__ = ["Delivery", "StaleCallback"]
+
+#: ``on_stale(row, outcome)``: sees a stale rollout before its row runs again (to keep it elsewhere).
+StaleCallback = Callable[[Row, Outcome], None]
+
+
+class Delivery:
+    """Partial groups, the buffer of complete groups, staleness and filters (see module docstring).
+
+    Args:
+        group_size: Rollouts per group, or None (groups of one, delivered as single items).
+        max_staleness: Versions a delivered rollout may lag behind the current one, or None (no bound).
+        on_stale: Called with each stale ``(row, outcome)`` before the row is queued again.
+        group_filter: One filter or a sequence of them (each ``(group) -> bool``).
+        meter: Where drops, staleness and latencies are counted.
+    """
+
+    def __init__(
+        self,
+        *,
+        group_size: int | None,
+        max_staleness: int | None,
+        on_stale: StaleCallback | None,
+        group_filter: GroupFilter | Sequence[GroupFilter] | None,
+        meter: StepMeter,
+    ) -> None:
+        self.width = group_size or 1
+        self.max_staleness = max_staleness
+        self.on_stale = on_stale
+        if group_filter is None:
+            self.filters: list[GroupFilter] = []
+        elif callable(group_filter):
+            self.filters = [group_filter]
+        else:
+            self.filters = list(group_filter)
+        self.filter_names = filter_names(self.filters)
+        self.meter = meter
+        self.writer: Any = None  # a ShardWriter when the stream records
+        self.partial: dict[int, dict[int, Item]] = {}
+        self.ready: deque[tuple[int, RolloutGroup]] = deque()
+        self.running: set[int] = set()
+        self.open = 0  # rows read and not in ``ready``, delivered, dropped or cancelled
+        self.buffered = 0  # rows in ``ready``
+        self.delivered = 0
+
+    def open_writer(self, record_dir: str, shard: str, run_id: str, config_identity: str) -> None:
+        """Record delivered rollouts in ``record_dir`` from now on, in shard ``shard`` (blocking I/O).
+
+        Raises:
+            ShardIOError: A file of the shard could not be opened, repaired or synced.
+        """
+        from gym_ray.record.writer import ShardWriter
+
+        writer = ShardWriter(record_dir, shard, run_id=run_id, config_identity=config_identity)
+        self.writer = writer.open()
+
+    def close_writer(self) -> None:
+        """Write the shard's progress file and close it (no-op when not recording). Idempotent."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.write_progress()
+            finally:
+                writer.close()
+
+    def opened(self, gid: int) -> None:
+        """The reader queued the ``width`` rows of group ``gid``."""
+        self.running.add(gid)
+        self.open += self.width
+
+    def accept(self, seq: int, row: Row, outcome: Outcome, version: int, current: int) -> SeqRow | None:
+        """Take one finished rollout; returns ``(seq, row)`` to queue again when it is already stale.
+
+        Raises:
+            UsageError: A group filter returned something other than a bool.
+        """
+        row[keys.POLICY_VERSION] = version
+        if isinstance(outcome, dict):
+            outcome[keys.POLICY_VERSION] = version
+        if is_stale(version, current, self.max_staleness):
+            return self._stale(seq, row, outcome)
+        gid, index = divmod(seq, self.width)
+        members = self.partial.setdefault(gid, {})
+        members[index] = (row, outcome)
+        if len(members) == self.width:
+            del self.partial[gid]
+            self.running.discard(gid)
+            self.open -= self.width
+            group = RolloutGroup(members[i] for i in sorted(members))
+            reason = filter_verdict(self.filters, self.filter_names, group)
+            if reason is None:
+                self.ready.append((gid, group))
+                self.buffered += self.width
+            else:
+                self.meter.count("filtered", reason=reason)
+        return None
+
+    def take(self, current: int) -> tuple[RolloutGroup | None, list[SeqRow]]:
+        """The next complete group if none of its rollouts is stale; else ``(None, rows to queue again)``.
+
+        Returns ``(None, [])`` when the buffer is empty. A group with stale rollouts goes back to
+        ``partial`` (its fresh rollouts kept) until its re-runs arrive.
+        """
+        if not self.ready:
+            return None, []
+        gid, group = self.ready.popleft()
+        self.buffered -= self.width
+        if not any(is_stale(version_of(item), current, self.max_staleness) for item in group):
+            return group, []
+        self.running.add(gid)
+        self.open += self.width
+        fresh: dict[int, Item] = {}
+        requeue: list[SeqRow] = []
+        for index, (row, outcome) in enumerate(group):
+            if is_stale(version_of((row, outcome)), current, self.max_staleness):
+                requeue.append(self._stale(gid * self.width + index, row, outcome))
+            else:
+                fresh[index] = (row, outcome)
+        self.partial[gid] = fresh
+        return None, requeue
+
+    def _stale(self, seq: int, row: Row, outcome: Outcome) -> SeqRow:
+        self.meter.count("stale")
+        if self.on_stale is not None:
+            self.on_stale(row, outcome)
+        return seq, {k: v for k, v in row.items() if k != keys.POLICY_VERSION}
+
+    def cancel(self, gids: set[int]) -> None:
+        """Forget running groups (the caller removed their rows from the queue and the workers)."""
+        for gid in gids:
+            self.partial.pop(gid, None)
+            if gid in self.running:
+                self.running.discard(gid)
+                self.open -= self.width
+
+    def commit(self, groups: Sequence[RolloutGroup], current: int) -> None:
+        """Deliver ``groups``: count them and record each rollout (when recording)."""
+        for group in groups:
+            self.delivered += len(group)
+            self.meter.delivered(group, current)
+            if self.writer is None:
+                continue
+            for row, outcome in group:
+                if isinstance(outcome, RolloutFailureRecord):
+                    self.writer.append({**outcome.to_row(), keys.POLICY_VERSION: row[keys.POLICY_VERSION]})
+                else:
+                    self.writer.append(outcome)
+
+    def clear(self) -> None:
+        """Drop every finished, undelivered rollout (a close without drain)."""
+        self.ready.clear()
+        self.partial.clear()
+        self.buffered = 0
+
+    def drain(self, current: int) -> list[RolloutGroup]:
+        """Everything finished and undelivered, once: complete groups, then partial ones (shorter), each
+        without its stale rollouts (counted and shown to ``on_stale``, not re-run)."""
+        pending = [group for _, group in self.ready]
+        pending += [
+            RolloutGroup(members[i] for i in sorted(members)) for _, members in sorted(self.partial.items())
+        ]
+        self.ready.clear()
+        self.partial.clear()
+        self.buffered = 0
+        out = []
+        for group in pending:
+            fresh = RolloutGroup(
+                item for item in group if not is_stale(version_of(item), current, self.max_staleness)
+            )
+            for row, outcome in group:
+                if is_stale(int(row[keys.POLICY_VERSION]), current, self.max_staleness):
+                    self._stale(-1, row, outcome)
+            if fresh:
+                out.append(fresh)
+        return out

@@ -1,0 +1,176 @@
+"""The parts of the stream's RL features that need no Ray: groups, filters, step figures, option checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+import gym_ray
+from gym_ray import keys
+from gym_ray.dispatch.outcomes import RolloutFailureRecord
+from gym_ray.errors import UsageError
+from gym_ray.streaming.delivery import Delivery
+from gym_ray.streaming.filters import drop_uniform_reward
+from gym_ray.streaming.groups import RolloutGroup
+from gym_ray.streaming.step_stats import StepMeter
+from gym_ray.streaming.stream import stream
+
+
+def _item(task: int, rollout: int, version: int, reward: float | None) -> tuple[dict[str, Any], Any]:
+    row = {keys.TASK_INDEX: task, keys.ROLLOUT_INDEX: rollout, keys.POLICY_VERSION: version}
+    if reward is None:
+        return row, RolloutFailureRecord(failure_class="agent_run_error", message="boom")
+    return row, {"reward": reward}
+
+
+def test_a_group_knows_its_oldest_and_newest_version_and_rewards() -> None:
+    group = RolloutGroup([_item(7, 0, 3, 1.0), _item(7, 1, 1, 0.0), _item(7, 2, 2, None)])
+    assert (group.task_index, group.oldest_version, group.newest_version) == (7, 1, 3)
+    assert group.rewards == [1.0, 0.0, None]
+    assert gym_ray.RolloutGroup is RolloutGroup
+    assert gym_ray.drop_uniform_reward is drop_uniform_reward
+
+
+@pytest.mark.parametrize(
+    ("rewards", "keep"),
+    [
+        pytest.param([1.0, 1.0, 1.0], False, id="all-right"),
+        pytest.param([0.0, 0.0], False, id="all-wrong"),
+        pytest.param([None, None], False, id="all-failed"),
+        pytest.param([1.0], False, id="single"),
+        pytest.param([1.0, 0.0, 1.0], True, id="mixed"),
+        pytest.param([1.0, None], True, id="reward-and-failure"),
+        pytest.param([0.5, 0.25], True, id="fractional"),
+    ],
+)
+def test_drop_uniform_reward(rewards: list[float | None], keep: bool) -> None:
+    group = RolloutGroup(_item(0, i, 0, r) for i, r in enumerate(rewards))
+    assert drop_uniform_reward(group) is keep
+
+
+def _delivery(**options: Any) -> tuple[Delivery, StepMeter]:
+    meter = StepMeter("run")
+    settings: dict[str, Any] = {
+        "group_size": 2,
+        "max_staleness": None,
+        "on_stale": None,
+        "group_filter": None,
+    }
+    settings.update(options)
+    return Delivery(meter=meter, **settings), meter
+
+
+def test_delivery_counts_filtered_groups_by_filter_name_and_refuses_a_non_bool_verdict() -> None:
+    def short_answers(group: RolloutGroup) -> bool:
+        return True
+
+    delivery, meter = _delivery(group_filter=[short_answers, drop_uniform_reward])
+    for gid, rewards in enumerate([(1.0, 1.0), (1.0, 0.0), (0.0, 0.0)]):
+        delivery.opened(gid)
+        for index, reward in enumerate(rewards):
+            row, outcome = _item(gid, index, 0, reward)
+            assert delivery.accept(2 * gid + index, row, outcome, 0, 0) is None
+    assert (delivery.open, delivery.buffered, dict(meter.filtered)) == (0, 2, {"drop_uniform_reward": 2})
+    group, requeue = delivery.take(0)
+    assert (group is not None and group.task_index, requeue) == (1, [])
+
+    delivery, _ = _delivery(group_filter=lambda group: "yes")
+    delivery.opened(0)
+    delivery.accept(0, *_item(0, 0, 0, 1.0), 0, 0)
+    with pytest.raises(UsageError, match=r"group_filter <lambda> returned 'yes' for task 0"):
+        delivery.accept(1, *_item(0, 1, 0, 1.0), 0, 0)
+
+
+def test_delivery_requeues_only_the_stale_rollouts_of_a_group() -> None:
+    seen: list[int] = []
+    delivery, meter = _delivery(
+        max_staleness=1, on_stale=lambda row, outcome: seen.append(row[keys.ROLLOUT_INDEX])
+    )
+    delivery.opened(0)
+    delivery.accept(0, *_item(0, 0, 0, 1.0), 0, 1)  # version 0, current 1: within the bound
+    delivery.accept(1, *_item(0, 1, 1, 0.0), 1, 1)
+    group, requeue = delivery.take(2)  # the version moved on: rollout 0 is now 2 behind
+    assert group is None
+    assert [(seq, row[keys.ROLLOUT_INDEX], keys.POLICY_VERSION in row) for seq, row in requeue] == [
+        (0, 0, False)
+    ]
+    assert (seen, meter.stale, delivery.open, delivery.buffered) == ([0], 1, 2, 0)
+    delivery.accept(0, *_item(0, 0, 2, 1.0), 2, 2)
+    group, requeue = delivery.take(2)
+    assert group is not None
+    assert (group.oldest_version, group.newest_version, requeue) == (1, 2, [])
+    delivery.commit([group], 2)
+    assert (delivery.delivered, dict(meter.staleness)) == (2, {0: 1, 1: 1})
+
+
+def test_step_meter_reports_to_opentelemetry() -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    now = [100.0]
+    meter = StepMeter("r1", clock=lambda: now[0], meter=provider.get_meter("test"))
+    meter.pause()
+    now[0] = 102.5
+    meter.resume()
+    meter.count("aborted", 3)
+    meter.count("filtered", 2, reason="drop_uniform_reward")
+    row = {keys.POLICY_VERSION: 1}
+    meter.delivered(
+        [(row, {keys.ENVIRONMENT_SERVER: "env", keys.NG_PERF: {"total_latency_ms": 40.0}})], current=3
+    )
+    data = reader.get_metrics_data()
+    assert data is not None
+    points = {
+        metric.name: metric.data.data_points
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    }
+    assert [p.value for p in points["gym_ray.stream.paused"]] == [2.5]
+    assert [p.value for p in points["gym_ray.stream.aborted"]] == [3]
+    filtered = points["gym_ray.stream.filtered"]
+    assert [(p.value, p.attributes["reason"]) for p in filtered] == [(2, "drop_uniform_reward")]
+    assert [(p.sum, p.count) for p in points["gym_ray.stream.staleness"]] == [(2, 1)]
+    assert [(p.sum, p.attributes["server"]) for p in points["gym_ray.stream.rollout_latency"]] == [
+        (40.0, "env")
+    ]
+    assert (meter.paused_s, meter.server_latency_ms(), dict(meter.staleness)) == (2.5, {"env": 40.0}, {2: 1})
+    provider.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        pytest.param({"max_staleness": -1}, "max_staleness=-1 must be an int >= 0", id="staleness"),
+        pytest.param({"policy_version": 1.5}, "policy_version=1.5 must be an int", id="version"),
+        pytest.param({"group_filter": drop_uniform_reward}, "group_filter needs group_size", id="filter"),
+        pytest.param({"on_stale": print}, "on_stale needs max_staleness", id="on-stale"),
+        pytest.param({"max_groups_in_flight": 0}, "max_groups_in_flight=0", id="groups"),
+        pytest.param(
+            {"group_size": 2, "group_filter": [drop_uniform_reward, drop_uniform_reward]},
+            "share a name",
+            id="same-name",
+        ),
+    ],
+)
+def test_bad_rl_options_are_usage_errors(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        stream([], config={}, **options)
+
+
+async def test_bad_control_calls_are_usage_errors() -> None:
+    rollouts = stream([], config={}, policy_version=2)
+    with pytest.raises(UsageError, match=r"set_policy_version\(1\): versions are ints that never go back"):
+        await rollouts.set_policy_version(1)
+    with pytest.raises(UsageError, match="mode must be 'drain' or 'abort'"):
+        await rollouts.pause("now")  # type: ignore[arg-type]
+    for call, match in (
+        (rollouts.next_batch(0), "n_groups must be an int >= 1"),
+        (rollouts.next_batch(2, oversample=0.5), "oversample=0.5"),
+        (rollouts.next_batch(2, timeout_s=0), "timeout_s=0"),
+    ):
+        with pytest.raises(UsageError, match=match):
+            await call
+    assert rollouts.policy_version == 2
