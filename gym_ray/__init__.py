@@ -40,10 +40,11 @@ from gym_ray.plan.validation import resolve_task_sources, validate_rows
 from gym_ray.record.ledger import LedgerReport, check_run
 from gym_ray.run.collect import acollect_local
 from gym_ray.run.result import RunResult
+from gym_ray.streaming.api import stream
 from gym_ray.streaming.filters import drop_uniform_reward
 from gym_ray.streaming.groups import RolloutGroup
 from gym_ray.streaming.row_feed import RowFeed
-from gym_ray.streaming.stream import RolloutStream, stream
+from gym_ray.streaming.stream import RolloutStream
 from gym_ray.streaming.sync import stream_sync
 
 __version__ = "0.1.0"

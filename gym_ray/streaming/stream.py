@@ -74,7 +74,7 @@ from gym_ray.streaming.worker import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutStream", "StreamStats", "stream"]
+__all__ = ["RolloutStream", "StreamStats"]
 
 #: Seconds a ``pull`` long-poll waits for a first outcome.
 PULL_WAIT_S = 0.25
@@ -535,89 +535,3 @@ class RolloutStream(StreamControls):
         requeue.sort(key=lambda pair: pair[0])
         self._queue.extendleft(reversed(requeue))
         self._notify()
-
-
-def stream(
-    rows: Iterable[Mapping[str, Any]] | AsyncIterable[Mapping[str, Any]],
-    *,
-    config: Mapping[str, Any] | str | os.PathLike[str],
-    num_workers: int = 2,
-    group_size: int | None = None,
-    max_in_flight: int = 64,
-    buffer_size: int | None = None,
-    timeout_s: float | None = None,
-    record_dir: str | os.PathLike[str] | None = None,
-    resume: bool = False,
-    address: str | None = None,
-    max_worker_restarts: int | None = None,
-    retry_requests: bool = True,
-    policy_version: int = 0,
-    max_staleness: int | None = None,
-    on_stale: StaleCallback | None = None,
-    group_filter: GroupFilter | Sequence[GroupFilter] | None = None,
-    max_groups_in_flight: int | None = None,
-) -> RolloutStream:
-    """Stream rollouts of ``rows`` from Ray worker actors, in completion order, with backpressure.
-
-    Example::
-
-        async with gym_ray.stream(rows, config=cfg, group_size=4, max_staleness=1,
-                                  group_filter=gym_ray.drop_uniform_reward) as rollouts:
-            for step in range(steps):
-                batch = await rollouts.next_batch(8, oversample=1.25)   # 8 RolloutGroups
-                train_on(batch)
-                await rollouts.pause()                                  # weight sync
-                await rollouts.set_policy_version(step + 1)
-                await rollouts.resume()
-
-    Args:
-        rows: Input rows: a list, a sync iterator, or an async iterator (e.g. a :class:`RowFeed`) fed while
-            the stream runs. Rows are copied and stamped with ``_ng_task_index`` (their own int, else a
-            counter in input order), ``_ng_rollout_index`` and ``_ng_run_id``.
-        config: The running config (dict, or YAML path); a head-only config is completed from the head.
-        num_workers: Worker actors (``num_cpus=0`` each).
-        group_size: Run each input row this many times and yield the task's rollouts together, as a
-            :class:`~gym_ray.streaming.groups.RolloutGroup` ordered by rollout index, once all are done.
-        max_in_flight: Rows admitted and not yet pulled, over all workers (split evenly; >= num_workers).
-        buffer_size: Outcomes finished and not yet taken by the consumer (default ``max_in_flight``).
-        timeout_s: Timeout of each ``/run`` request; a timed-out rollout is a failure record.
-        record_dir: Record every delivered outcome in this run folder (shard ``stream-<run id>``).
-        resume: Skip rows ``record_dir`` already holds as done (same input order as the recorded run).
-        address: Ray cluster to join when Ray is not initialized (default ``RAY_ADDRESS``, else local).
-        max_worker_restarts: Replacement workers allowed (default ``2 * num_workers``).
-        retry_requests: Replay a ``/run`` after a connection failure.
-        policy_version: The policy version at the start (see :meth:`RolloutStream.set_policy_version`).
-        max_staleness: Deliver no rollout whose version is more than this many versions behind the version
-            current at delivery; its row runs again under the current version (None: no bound).
-        on_stale: ``(row, outcome) -> None``, called with each stale rollout before its row runs again.
-        group_filter: ``(group) -> bool`` (or a list of them; needs ``group_size``): a complete group is
-            delivered only when every filter returns True, e.g. :func:`gym_ray.drop_uniform_reward`.
-        max_groups_in_flight: Input rows (groups) read and not yet complete at most (None: bounded by
-            ``max_in_flight`` only); ``next_batch(oversample=...)`` sets it too.
-
-    Returns:
-        The stream; nothing starts until ``async with``, :meth:`RolloutStream.start` or the first item.
-
-    Raises:
-        UsageError: A bad option (raised here), or a non-dict row (raised by iteration).
-        ValidationError: Rows disagree with the running config (raised by iteration).
-    """
-    return RolloutStream(
-        rows,
-        config=config,
-        num_workers=num_workers,
-        group_size=group_size,
-        max_in_flight=max_in_flight,
-        buffer_size=buffer_size,
-        timeout_s=timeout_s,
-        record_dir=record_dir,
-        resume=resume,
-        address=address,
-        max_worker_restarts=max_worker_restarts,
-        retry_requests=retry_requests,
-        policy_version=policy_version,
-        max_staleness=max_staleness,
-        on_stale=on_stale,
-        group_filter=group_filter,
-        max_groups_in_flight=max_groups_in_flight,
-    )

@@ -16,8 +16,9 @@ from types import TracebackType
 from typing import Any, Literal
 
 from gym_ray.errors import UsageError
+from gym_ray.streaming.api import stream
 from gym_ray.streaming.groups import Item, RolloutGroup
-from gym_ray.streaming.stream import RolloutStream, StreamStats, stream
+from gym_ray.streaming.stream import RolloutStream, StreamStats
 
 __all__ = ["SyncRolloutStream", "stream_sync"]
 

@@ -12,11 +12,11 @@ import gym_ray
 from gym_ray import keys
 from gym_ray.dispatch.outcomes import RolloutFailureRecord
 from gym_ray.errors import UsageError
+from gym_ray.streaming.api import stream
 from gym_ray.streaming.delivery import Delivery
 from gym_ray.streaming.filters import drop_uniform_reward
 from gym_ray.streaming.groups import RolloutGroup
 from gym_ray.streaming.step_stats import StepMeter
-from gym_ray.streaming.stream import stream
 
 
 def _item(task: int, rollout: int, version: int, reward: float | None) -> tuple[dict[str, Any], Any]:

@@ -21,8 +21,8 @@ from gym_ray import keys
 from gym_ray.record.jsonl import JsonlReader
 from gym_ray.record.shard_files import list_shards, shard_paths
 from gym_ray.servers import serve_config
+from gym_ray.streaming.api import stream
 from gym_ray.streaming.groups import RolloutGroup
-from gym_ray.streaming.stream import stream
 from gym_ray.streaming.sync import stream_sync
 from tests.streaming.test_stream import _config, _row
 from tests.streaming.test_stream import _until as _until_30s
@@ -305,7 +305,7 @@ async def test_next_batch_timeout_returns_what_is_complete_and_the_stream_goes_o
 _CRASHING_TRAINER = """
 import asyncio, json, os, signal, sys
 from gym_ray import keys
-from gym_ray.streaming.stream import stream
+from gym_ray.streaming.api import stream
 
 config, rows, run_dir, noted = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
 

@@ -20,8 +20,8 @@ from gym_ray.dispatch.outcomes import RolloutFailureRecord
 from gym_ray.errors import InputError, UsageError, ValidationError
 from gym_ray.record.recorded import recorded_keys
 from gym_ray.servers import serve_config, start_in_thread
+from gym_ray.streaming.api import stream
 from gym_ray.streaming.row_feed import RowFeed
-from gym_ray.streaming.stream import stream
 from gym_ray.streaming.sync import stream_sync
 
 pytestmark = pytest.mark.ray
