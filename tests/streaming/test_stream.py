@@ -227,7 +227,8 @@ async def test_killed_worker_rows_are_rerun_and_delivered_once(ray_session: Any)
     assert (stats.workers_lost, stats.delivered) == (1, 16)
     assert stats.requeued >= 1
     assert set(counts) == {(t, 0) for t in range(16)}
-    assert sum(counts.values()) >= 16
+    # each row reached a server once, plus at most once more per requeue of its undelivered outcome
+    assert 16 <= sum(counts.values()) <= 16 + stats.requeued
 
 
 async def test_record_dir_and_resume(ray_session: Any, tmp_path: Any) -> None:
