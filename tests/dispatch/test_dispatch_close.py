@@ -234,6 +234,7 @@ async def test_bounded_admission_is_lazy_and_ordered() -> None:
     await asyncio.sleep(0.01)
     assert log == []
     assert pulled == [0]
+    assert it.admitted == 0  # admission starts when the first item is awaited, not when it is handed out
     assert await first == 0
     await asyncio.sleep(0.01)
     assert log == [0, 1, 2, 3]

@@ -103,12 +103,19 @@ async def test_backpressure_stops_admission_within_the_buffer_bound(ray_session:
             for _ in range(consumed):
                 await anext(rollouts)
             await _until(lambda: servers.stats("fast_env").requests == bound, f"{bound} requests")
-            await asyncio.sleep(1.0)  # room for any admission beyond the bound to show up
+
+            async def settled() -> bool:
+                return [(w.outbox, w.in_flight, w.credits) for w in await rollouts.worker_stats()] == [
+                    (2, 0, 0),
+                    (2, 0, 0),
+                ]
+
+            # no worker has a credit left and nothing is in flight: a worker admits a row only with a
+            # credit, so no request beyond the bound can come (no sleep needed to see that)
+            await _until(settled, "both workers out of credits with full outboxes")
             assert servers.stats("fast_env").requests == bound
             stats = rollouts.stats()
             assert (stats.delivered, stats.buffered) == (consumed, buffer_size)
-            workers = await rollouts.worker_stats()
-            assert [(w.outbox, w.in_flight, w.credits) for w in workers] == [(2, 0, 0), (2, 0, 0)]
 
 
 async def test_group_size_delivers_complete_groups(ray_session: Any) -> None:
