@@ -186,3 +186,46 @@ async def test_aggregation_sends_a_stamped_rollout_to_its_stamp_when_the_agent_s
     assert tasks == {"env_a": [3], "env_b": [0, 1, 2]}
     assert by_server["env_b"]["key_metrics"]["mean/reward"] == pytest.approx(2 / 3)
     assert by_server["env_a"]["key_metrics"]["mean/reward"] == 0.0
+
+
+# --- the progress file counts what the writer wrote ------------------------------------------------------
+
+
+def test_progress_counts_each_kind_of_record_exactly(tmp_path: Path) -> None:
+    drained = {"_ng_failure_class": "cancelled", "_ng_dispatch_drained": True, "_ng_no_persist": True}
+    terminal = {"_ng_failure_class": "agent_run_error", "_ng_failure_terminal": True}
+    with ShardWriter(tmp_path, "s", run_id="run-1", config_identity=None, clock=lambda: 5.0) as writer:
+        writer.write_materialized_inputs([_rec(t) for t in range(6)])
+        for record in [
+            _rec(0, reward=1.0),
+            _rec(0, reward=1.0, _ng_attempt_index=1),  # a second success of (0, 0): one identity
+            _rec(1, reward=0.0),
+            {"reward": 1.0},  # a success without identity keys
+            {"reward": 0.5},  # and another one
+            _rec(2, _ng_failure_class="agent_run_error"),
+            _rec(2, _ng_failure_class="agent_run_error", _ng_attempt_index=1),
+            _rec(3, **terminal),
+            _rec(4, **terminal),
+            _rec(5, _ng_failure_class="agent_request_failed", _ng_failure_terminal=False),
+            _rec(5, **drained),  # omitted, not kept
+            _rec(5, **drained),
+            _rec(5, _ng_failure_class="kill_shaped"),  # never written, counted as omitted
+        ]:
+            writer.append(record)
+        progress = writer.write_progress()
+    on_disk = json.loads((tmp_path / "rollouts-s.progress.json").read_text(encoding="utf-8"))
+    # by hand: identities (0,0), (1,0) + 2 unkeyed = 4 successes; 5 failure lines, 2 of them terminal;
+    # 3 omitted; 10 lines written in all
+    expected = {
+        "run_id": "run-1",
+        "shard": "s",
+        "planned": 6,
+        "succeeded": 4,
+        "failed": {"agent_request_failed": 1, "agent_run_error": 4},
+        "terminal_failed": 2,
+        "omitted": 3,
+        "attempts": 10,
+        "updated_at": 5.0,
+    }
+    assert progress.model_dump() == expected
+    assert on_disk == expected

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +185,12 @@ def test_wasted_requests_count_a_non_integer_attempt_as_attempt_0(tmp_path: Path
     )
     report = check_run(tmp_path, request_counts={(0, 0): 3, (1, 0): 2})
     assert report.wasted_requests == 2
+
+
+def test_an_omitted_line_in_the_merged_failures_is_not_a_record(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a", [(0, 0), (1, 0)], [rec(0, 0)])
+    (tmp_path / "rollouts.jsonl").write_text(json.dumps(rec(0, 0)) + "\n", encoding="utf-8")
+    drained = rec(1, 0, _ng_failure_class="cancelled", _ng_dispatch_drained=True, _ng_no_persist=True)
+    (tmp_path / "rollouts_failures.jsonl").write_text(json.dumps(drained) + "\n", encoding="utf-8")
+    report = check_run(tmp_path)
+    assert (report.source, report.recorded, report.missing_ids) == ("merged", 1, ((1, 0),))
