@@ -1,4 +1,4 @@
-"""The ``gym-ray`` command line: run | serve | status | aggregate | demo | bench.
+"""The ``gym-ray`` command line: run | submit | serve | status | aggregate | demo | bench.
 
 Each sub-command lives in the module that owns its concept; this file only parses arguments and maps
 gym_ray's errors to one clear line on stderr and a non-zero exit code (never a traceback for bad input).
@@ -16,6 +16,7 @@ from gym_ray.errors import GymRayError, UsageError
 #: command -> (help, "module:function" implementing it, or None when not built yet)
 COMMANDS: dict[str, tuple[str, str | None]] = {
     "run": ("collect rollouts for a config (distributed on Ray)", None),
+    "submit": ("run `gym-ray run` on a Ray cluster as a Ray job (Jobs API)", None),
     "serve": ("start the head server and every reference server a config defines", None),
     "status": ("show a run folder's progress, failures and what resume would run", None),
     "aggregate": ("merge a run folder's shards and compute aggregate metrics", None),
@@ -78,6 +79,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GymRayError as exc:
         print(f"gym-ray {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        flush_telemetry()
+
+
+def flush_telemetry() -> None:
+    """Export and shut down the telemetry this process recorded (spans, metric points), if any.
+
+    Called on every exit of :func:`main`: normal, error, Ctrl-C, and a SIGTERM that unwinds ``main`` with
+    an exception (a signal handler may also call it directly). A no-op, importing nothing, when tracing
+    was never set up in this process. Bounded: each provider waits at most
+    :data:`gym_ray.observe.tracing.DEFAULT_FLUSH_TIMEOUT_S`.
+    """
+    tracing = sys.modules.get("gym_ray.observe.tracing")
+    if tracing is not None:
+        tracing.shutdown_tracing()
 
 
 # Sub-command registrations. Each names the module that implements it; importing is deferred until the
@@ -130,7 +146,15 @@ def _bench_args(parser: argparse.ArgumentParser) -> None:
     bench_args(parser)
 
 
+def _submit_args(parser: argparse.ArgumentParser) -> None:
+    _config_args(parser)
+    parser.add_argument("--address", required=True, help="the cluster's job server, e.g. http://HEAD:8265")
+    parser.add_argument("--workers", type=int, default=None, help="worker actors (default: from config)")
+    parser.add_argument("--no-wait", action="store_true", help="print the job id and return at once")
+
+
 register("run", "gym_ray.run.demo:run_main", _run_args)
+register("submit", "gym_ray.distributed.submit:submit_main", _submit_args)
 register("demo", "gym_ray.run.demo:demo_main", _demo_args)
 register("bench", "gym_ray.bench.cli:bench_main", _bench_args)
 

@@ -149,7 +149,24 @@ class RecordError(GymRayError):
 
 
 class ShardLockError(RecordError, RuntimeError):
-    """Another writer opened the same shard since this one did; this writer may not append."""
+    """Another writer opened the same shard since this one did; this writer may not write to it.
+
+    ``shard`` names the shard; ``holder_pid`` / ``holder_host`` the process that opened it last (None when
+    its token could not be read).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        shard: str | None = None,
+        holder_pid: int | None = None,
+        holder_host: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.holder_pid = holder_pid
+        self.holder_host = holder_host
 
 
 class ShardIOError(RecordError, OSError):

@@ -1,35 +1,12 @@
-"""Notebook helpers, the public face of :mod:`gym_ray.observe.notebook` (``from gym_ray.notebook import
-...``).
+"""Notebook helpers: the public face of :mod:`gym_ray.observe.notebook`.
 
 Results as Arrow / pandas tables, a progress display for a cell, and plots; see that module for each.
+Import them from here: ``from gym_ray.notebook import to_pandas, track``.
 """
 
 from __future__ import annotations
 
-from gym_ray.observe.notebook import (
-    Progress,
-    load_metrics,
-    load_run,
-    pass_at_k_curves,
-    plot_latency_histogram,
-    plot_pass_at_k,
-    plot_reward_distribution,
-    plot_throughput,
-    to_arrow,
-    to_pandas,
-    track,
-)
+from gym_ray.observe import notebook as _notebook
+from gym_ray.observe.notebook import *  # noqa: F403  (exactly that module's __all__)
 
-__all__ = [
-    "Progress",
-    "load_metrics",
-    "load_run",
-    "pass_at_k_curves",
-    "plot_latency_histogram",
-    "plot_pass_at_k",
-    "plot_reward_distribution",
-    "plot_throughput",
-    "to_arrow",
-    "to_pandas",
-    "track",
-]
+__all__ = list(_notebook.__all__)

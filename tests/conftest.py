@@ -17,6 +17,7 @@ def ray_session() -> Iterator[Any]:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not ray.is_initialized():
         ray.init(
+            address="local",  # never join a cluster another process started on this machine
             num_cpus=2,
             include_dashboard=False,
             log_to_driver=False,

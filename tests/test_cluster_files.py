@@ -7,6 +7,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import yaml
 from gym_ray.cli import build_parser
 from gym_ray.config.settings import RunSettings, load_config
 from gym_ray.config.topology import Topology
+from gym_ray.distributed.submit import build_submission
 
 CLUSTER = Path(__file__).resolve().parent.parent / "cluster"
 RAYJOB = CLUSTER / "kuberay" / "rayjob.yaml"
@@ -41,6 +43,9 @@ def _run_options() -> set[str]:
 
 
 def _parse_gym_ray(tokens: list[str]) -> argparse.Namespace:
+    # `gym-ray ...` or, as in a Ray job that ships the package, `python -m gym_ray.cli ...`.
+    if tokens[:3] == ["python", "-m", "gym_ray.cli"]:
+        tokens = ["gym-ray", *tokens[3:]]
     assert tokens[0] == "gym-ray"
     unknown = [t for t in tokens[1:] if t.startswith("--") and t not in _run_options()]
     assert unknown == []
@@ -71,10 +76,16 @@ def test_rayjob_entrypoint_uses_only_run_flags() -> None:
     assert (args.command, args.config, args.address, args.workers, args.local) == (
         "run",
         ["/config/run.yaml"],
-        "auto",
+        None,  # a Ray job's RAY_ADDRESS names the cluster
         8,
         False,
     )
+    staging = Path(tempfile.mkdtemp())
+    config = staging / "src" / "run.yaml"
+    config.parent.mkdir()
+    config.write_text("{}\n")
+    submitted = build_submission([str(config)], [], workers=8, staging=staging)["entrypoint"]
+    assert submitted == entrypoint.replace("/config/run.yaml", "run.yaml")  # what `gym-ray submit` runs
 
 
 def test_rayjob_config_map_is_a_valid_run_config(tmp_path: Path) -> None:

@@ -15,6 +15,9 @@ from gym_ray import errors
         ),
         pytest.param(errors.ValidationError("bad rows", problems=["row 1", "row 2"]), id="validation"),
         pytest.param(errors.ShardLockError("stale"), id="lock"),
+        pytest.param(
+            errors.ShardLockError("stale", shard="s0", holder_pid=7, holder_host="h"), id="lock-holder"
+        ),
         pytest.param(errors.AggregationError("agg", servers={"env": "boom"}), id="aggregation"),
     ],
 )

@@ -16,6 +16,7 @@ SCENARIOS = (
     "merge",
     "collect-memory",
     "plan-memory",
+    "ray-vs-local",
 )
 
 
@@ -46,11 +47,13 @@ def bench_args(parser: argparse.ArgumentParser) -> None:
         "--sizes",
         type=_sizes,
         default=(100_000, 1_000_000),
-        help="memory: comma-separated row counts, one fresh process each (default 100000,1000000)",
+        help="memory: comma-separated row counts, one fresh process each (default 100000,1000000); "
+        "ray-vs-local: two sizes (default 2000,20000)",
     )
     parser.add_argument(
         "--latency-ms", type=float, default=500.0, help="latency: the server's delay per /run"
     )
+    parser.add_argument("--workers", type=int, default=2, help="ray-vs-local: worker actors (default 2)")
 
 
 def bench_main(args: argparse.Namespace) -> int:
@@ -79,6 +82,11 @@ def bench_main(args: argparse.Namespace) -> int:
 
         stage = "plan" if args.scenario == "plan-memory" else "collect"
         result = run_collect_memory_bench(args.sizes, args.concurrency, stage=stage)
+    elif args.scenario == "ray-vs-local":
+        from gym_ray.bench.ray_vs_local import run_ray_vs_local_bench
+
+        sizes = args.sizes if args.sizes != (100_000, 1_000_000) else (2000, 20000)
+        result = run_ray_vs_local_bench(sizes, workers=args.workers)
     elif args.scenario == "merge":
         from gym_ray.bench.merge_bench import run_merge_bench
 

@@ -167,8 +167,9 @@ class ServerInstance:
         name: the top-level key.
         server_type: one of ``keys.SERVER_TYPES``.
         implementation: the implementation key (for an agent, its *agent type*, e.g. ``simple_agent``).
-        host: where it listens.
-        port: where it listens (0 = pick a free port when the reference servers start it).
+        host: where it listens, or None in a config written before addresses were assigned (such a
+            config serves preprocessing and validation; dispatch needs the address).
+        port: where it listens (0 = pick a free port when the reference servers start it), or None.
         fields: the implementation block minus ``host`` and ``port``, deeply read-only
             (mappings are ``MappingProxyType``, lists are tuples).
     """
@@ -176,8 +177,8 @@ class ServerInstance:
     name: str
     server_type: str
     implementation: str
-    host: str
-    port: int
+    host: str | None
+    port: int | None
     fields: Mapping[str, Any]
 
     def __post_init__(self) -> None:
@@ -193,12 +194,31 @@ class ServerInstance:
 
     @property
     def url(self) -> str:
-        """``"http://host:port"``."""
+        """``"http://host:port"``.
+
+        Raises:
+            ConfigError: The instance has no host/port in the config (only dispatch needs them).
+        """
+        if self.host is None or self.port is None:
+            path = f"{self.name}.{self.server_type}.{self.implementation}"
+            raise ConfigError(
+                f"server instance '{self.name}' has no address (config keys '{path}.host' and '{path}.port' "
+                "are not set); dispatch needs it: give the head server's address (+head_server.host=... "
+                "+head_server.port=...) or set host and port",
+                key=path,
+            )
         return f"http://{self.host}:{self.port}"
 
 
 def _bad(path: str, text: str) -> ConfigError:
     return ConfigError(f"config key '{path}' {text}", key=path)
+
+
+def _optional_address(block: Mapping[str, Any], path: str) -> tuple[str | None, int | None]:
+    """An instance's host and port; both absent is allowed (a server YAML before ports are assigned)."""
+    if block.get(_HOST) is None and block.get(_PORT) is None:
+        return None, None
+    return _require_address(block, path)
 
 
 def _require_address(block: Mapping[str, Any], path: str) -> tuple[str, int]:
@@ -233,7 +253,7 @@ def parse_instance(name: str, block: Mapping[str, Any]) -> tuple[ServerInstance,
     path = f"{path}.{implementation}"
     if not isinstance(inner, Mapping):
         raise _bad(path, f"must be a mapping with host and port, got {inner!r}")
-    host, port = _require_address(inner, path)
+    host, port = _optional_address(inner, path)
     fields = {key: value for key, value in inner.items() if key not in (_HOST, _PORT)}
     return ServerInstance(name, types[0], str(implementation), host, port, fields), inner
 

@@ -24,9 +24,20 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gym_ray import keys
+from gym_ray.config._hydra import FlowSyntaxError, parse_flow_value
 from gym_ray.errors import ConfigError
 
-__all__ = ["RunSettings", "load_config"]
+__all__ = [
+    "CONFIG_PATHS",
+    "RunSettings",
+    "load_config",
+    "merge_config",
+    "resolve_config",
+    "run_concurrency_cap",
+]
+
+#: The key that names more YAML files to merge under the config (NeMo Gym's ``config_paths``).
+CONFIG_PATHS = "config_paths"
 
 _ADD = "+"
 _FORCE = "++"
@@ -110,6 +121,16 @@ def _parse_override(override: str) -> tuple[str, str, Any]:
         raise ConfigError(f"override {override!r} is malformed; {form}, with a dotted key", key=key or None)
     if key.startswith(("+", "~")):
         raise ConfigError(f"override {override!r} has an unknown prefix; {form}", key=key)
+    if text.lstrip().startswith(("{", "[")):
+        # Hydra's flow syntax ({_default:X}, [a,b]), which YAML would read as something else.
+        try:
+            return mode, key, parse_flow_value(text.strip())
+        except FlowSyntaxError as exc:
+            raise ConfigError(
+                f"override {override!r} has a value that does not parse ({exc}); write e.g. "
+                f"{mode}{key}={{a:1,b:2}} or {mode}{key}=[x,y], quoting values that hold , ] or }}",
+                key=key,
+            ) from exc
     try:
         holder = OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]), resolve=False)
     except (yaml.YAMLError, OmegaConfBaseException) as exc:
@@ -126,6 +147,8 @@ def _parse_override(override: str) -> tuple[str, str, Any]:
 def _apply_override(cfg: DictConfig, override: str) -> None:
     mode, key, value = _parse_override(override)
     present = _exists(OmegaConf.to_container(cfg, resolve=False), key.split("."))
+    if key == CONFIG_PATHS:
+        mode = _FORCE  # NeMo Gym users write config_paths=[...] with or without a +
     if mode == "" and not present:
         raise ConfigError(
             f"override {override!r} changes '{key}', which is not in the config; to add it write "
@@ -148,30 +171,7 @@ def _apply_override(cfg: DictConfig, override: str) -> None:
         ) from exc
 
 
-def load_config(paths: Sequence[str | os.PathLike[str]], overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Load, merge and resolve a run's global config.
-
-    Args:
-        paths: YAML files, merged in order (a later file wins key by key). A single path is accepted too.
-        overrides: ``key=value`` (change an existing key), ``+key=value`` (add a new key) or
-            ``++key=value`` (add or change); dotted keys, values read as YAML (``n=3`` is an int,
-            ``m={a: 1}`` a mapping, ``s='3'`` a string, ``x=`` null). A mapping value merges into a
-            mapping already there.
-
-    Returns:
-        The merged config as plain dicts and lists, every interpolation resolved.
-
-    Raises:
-        ConfigError: a missing file, a YAML syntax error (file and line), a malformed override, or an
-            interpolation that cannot be resolved (``key`` = its dotted path).
-
-    Example:
-        >>> cfg = load_config(["env.yaml"], ["+num_repeats=4", "++head_server.port=11001"])
-    """
-    if isinstance(paths, str | os.PathLike):
-        paths = [paths]
-    if isinstance(overrides, str):
-        overrides = [overrides]
+def _merge_files(paths: Sequence[str | os.PathLike[str]]) -> DictConfig:
     merged: DictConfig = OmegaConf.create({})
     for path in paths:
         part = _load_file(Path(path))
@@ -186,8 +186,68 @@ def load_config(paths: Sequence[str | os.PathLike[str]], overrides: Sequence[str
                 f"{_first_line(exc)}; make the value's kind (mapping, list, scalar) agree",
                 key=key,
             ) from exc
+    return merged
+
+
+def _config_paths(value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str) or not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise ConfigError(
+            f"{CONFIG_PATHS} in {where} must be a list of YAML paths, got {value!r}; write "
+            f"+{CONFIG_PATHS}=[a.yaml,b.yaml]",
+            key=CONFIG_PATHS,
+        )
+    return list(value)
+
+
+def _plain(cfg: DictConfig) -> dict[str, Any]:
+    return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=False))
+
+
+def _included_files(top: DictConfig) -> list[str]:
+    """The files ``config_paths`` names, transitively (each file's own ``config_paths`` after it)."""
+    found: list[str] = []
+    queue = _config_paths(_plain(top).get(CONFIG_PATHS), "the config")
+    while queue:
+        path = queue.pop(0)
+        if path in found:
+            continue
+        found.append(path)
+        nested = _plain(_load_file(Path(path)))
+        queue.extend(_config_paths(nested.get(CONFIG_PATHS), f"config file '{path}'"))
+    return found
+
+
+def merge_config(paths: Sequence[str | os.PathLike[str]], overrides: Sequence[str] = ()) -> DictConfig:
+    """Merge a run's YAML files and overrides without resolving interpolations (see :func:`load_config`).
+
+    Files named by ``config_paths`` (in the files or the overrides, transitively) are merged first, under
+    the given files and overrides, as NeMo Gym does.
+
+    Raises:
+        ConfigError: As :func:`load_config`, except for interpolations (not resolved here).
+    """
+    if isinstance(paths, str | os.PathLike):
+        paths = [paths]
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    merged = _merge_files(paths)
     for override in overrides:
         _apply_override(merged, override)
+    included = _included_files(merged)
+    if included:
+        merged = cast(DictConfig, OmegaConf.merge(_merge_files(included), merged))
+        merged[CONFIG_PATHS] = included
+    return merged
+
+
+def resolve_config(merged: DictConfig) -> dict[str, Any]:
+    """The plain dict of a merged config, every interpolation resolved.
+
+    Raises:
+        ConfigError: An interpolation that cannot be resolved (``key`` = its dotted path).
+    """
     try:
         container = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
@@ -199,6 +259,42 @@ def load_config(paths: Sequence[str | os.PathLike[str]], overrides: Sequence[str
         ) from exc
     assert isinstance(container, dict)
     return cast(dict[str, Any], container)
+
+
+def load_config(paths: Sequence[str | os.PathLike[str]], overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Load, merge and resolve a run's global config.
+
+    Args:
+        paths: YAML files, merged in order (a later file wins key by key). A single path is accepted too.
+        overrides: ``key=value`` (change an existing key), ``+key=value`` (add a new key) or
+            ``++key=value`` (add or change); dotted keys, values read as YAML (``n=3`` is an int,
+            ``m={a: 1}`` a mapping, ``s='3'`` a string, ``x=`` null). A mapping value merges into a
+            mapping already there. A value starting with ``{`` or ``[`` is read with Hydra's flow rules,
+            as NeMo Gym users write it (``+agent_map={_default:X}``, ``+l=[a,b]``). ``config_paths=[...]``
+            (with or without ``+``) names more YAML files, merged under everything else.
+
+    Returns:
+        The merged config as plain dicts and lists, every interpolation resolved.
+
+    Raises:
+        ConfigError: a missing file, a YAML syntax error (file and line), a malformed override, or an
+            interpolation that cannot be resolved (``key`` = its dotted path).
+
+    Example:
+        >>> cfg = load_config(["env.yaml"], ["+num_repeats=4", "++head_server.port=11001"])
+    """
+    return resolve_config(merge_config(paths, overrides))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def run_concurrency_cap(data: Mapping[str, Any]) -> int | None:
+    """The smaller of ``num_samples_in_parallel`` and ``max_resident_rollout_tasks`` that are valid counts."""
+    caps = [data.get(k) for k in ("num_samples_in_parallel", "max_resident_rollout_tasks")]
+    counts = [int(c) for c in caps if c is not None and _is_count(c)]
+    return min(counts) if counts else None
 
 
 #: What a field accepts, where its annotation alone does not say it.
@@ -251,6 +347,20 @@ class RunSettings(BaseModel):
         strict: refuse to publish metrics when work is left unfinished.
         no_progress_timeout_s: fail the run when nothing finished for this long.
         seed: run seed, or None.
+        output_jsonl_fpath: NeMo Gym's output path ``P``: the merged rollouts go to ``P`` and the side files
+            beside it under NeMo Gym's names; the run folder defaults to ``<P.parent>/<P.stem>_run``.
+        agent_name: NeMo Gym's ``agent_name``: folded into ``agent_map._default`` (it re-routes every
+            unrouted flat row, as NeMo Gym 0.7 does).
+        limit: only the first ``limit`` input rows (0 or None: all), before anything else.
+        num_samples_in_parallel: rollouts in flight for the whole run, across all workers.
+        max_resident_rollout_tasks: NeMo Gym's task bound; caps rollouts in flight like
+            ``num_samples_in_parallel`` (the smaller one wins).
+        disable_aggregation: skip ``/aggregate_metrics``; no metrics file is written.
+        require_complete: fail the run (after writing its files) when a planned rollout has no success.
+        resume_from_cache: True resumes the run folder (gym_ray's behaviour anyway); False refuses a folder
+            that already holds a run (gym_ray never deletes results); None: resume.
+        retain_results_in_memory / upload_rollouts / disable_health_check: accepted for NeMo Gym command
+            lines (see docs/nemo-gym.md).
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
@@ -278,15 +388,57 @@ class RunSettings(BaseModel):
     strict: bool = False
     no_progress_timeout_s: float = Field(600.0, gt=0)
     seed: int | None = None
+    output_jsonl_fpath: str | None = None
+    agent_name: str | None = None
+    limit: int | None = Field(None, ge=0)
+    num_samples_in_parallel: int | None = Field(None, ge=1)
+    max_resident_rollout_tasks: int | None = Field(None, ge=1)
+    disable_aggregation: bool = False
+    require_complete: bool = False
+    resume_from_cache: bool | None = None
+    retain_results_in_memory: bool = True
+    upload_rollouts: bool = True
+    disable_health_check: bool = True
 
     @model_validator(mode="before")
     @classmethod
-    def _default_max_connections(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and data.get("max_connections") is None:
+    def _derived_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        cap = run_concurrency_cap(data)
+        resident = data.get("max_resident_tasks")
+        if cap is not None and (resident is None or (_is_count(resident) and resident > cap)):
+            # A whole-run cap bounds one process's admission too (the distributed run splits it).
+            data["max_resident_tasks"] = cap
+        if data.get("max_connections") is None:
             resident = data.get("max_resident_tasks", 256)
-            valid = isinstance(resident, int) and not isinstance(resident, bool) and resident >= 1
-            return {**data, "max_connections": resident if valid else 256}
+            data["max_connections"] = resident if _is_count(resident) else 256
+        agent_name = data.get("agent_name")
+        if agent_name is not None:
+            agent_map = data.get("agent_map")
+            if agent_map is not None and not isinstance(agent_map, Mapping):
+                return data  # the agent_map field check names the problem
+            mapped = dict(agent_map or {})
+            default = mapped.get(keys.DEFAULT_KEY)
+            if default is not None and default != agent_name:
+                raise ValueError(
+                    f"agent_name={agent_name!r} conflicts with agent_map.{keys.DEFAULT_KEY}={default!r}; "
+                    "set only one of them"
+                )
+            mapped[keys.DEFAULT_KEY] = agent_name
+            data["agent_map"] = mapped
+        output = data.get("output_jsonl_fpath")
+        if data.get("output_dir") is None and isinstance(output, str) and output:
+            path = Path(output)
+            data["output_dir"] = str(path.parent / f"{path.stem}_run")
         return data
+
+    @property
+    def concurrency_cap(self) -> int | None:
+        """Rollouts in flight for the whole run (``num_samples_in_parallel`` /
+        ``max_resident_rollout_tasks``, the smaller), or None when neither is set."""
+        return run_concurrency_cap(self.model_dump())
 
     @field_validator("num_repeats", mode="before")
     @classmethod
@@ -340,6 +492,9 @@ class RunSettings(BaseModel):
                     problems[top].append(message)
             lines = []
             for top, messages in problems.items():
+                if not top:  # a check across keys (agent_name vs agent_map): its message names them
+                    lines.extend(messages)
+                    continue
                 info = cls.model_fields.get(top)
                 allowed = f"; allowed: {_describe_allowed(top, info)}" if info is not None else ""
                 value = cfg.get(top, "<unset>")

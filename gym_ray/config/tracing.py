@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
 from gym_ray.errors import ConfigError
@@ -35,11 +35,17 @@ class TracingSettings(BaseModel):
             ``pip install opentelemetry-exporter-otlp``), ``memory`` (tests; see
             :attr:`gym_ray.observe.tracing.Tracer.memory`) or ``file`` (one JSON line per span appended to
             ``file_path`` by every process, Ray workers included; see :class:`JsonlSpanExporter`).
-        file_path: The span file of the ``file`` exporter (required by it).
+        file_path: The span file of the ``file`` exporter (required by it). A relative path is made
+            absolute where the settings are read (where the run or the server starts), so that every
+            Ray actor, whatever its working directory, appends to the same file.
         service_name: The ``service.name`` resource attribute.
         metrics_enabled: Also export :class:`gym_ray.observe.tracing.RunMetrics` through the same exporter
         kind.
         metrics_interval_s: Export interval of periodic metric exporters (console, otlp).
+        otlp_endpoint: Base URL of the OTLP receiver (``http://collector:4318`` for OTLP/HTTP, which
+            posts to ``/v1/traces`` and ``/v1/metrics`` under it); None lets the exporter read
+            ``OTEL_EXPORTER_OTLP_*`` in each process. Set in the config (or ``OTEL_EXPORTER_OTLP_ENDPOINT``
+            where the run starts), it is shipped to every Ray actor with the run config.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -51,6 +57,12 @@ class TracingSettings(BaseModel):
     metrics_enabled: bool = False
     metrics_interval_s: float = 60.0
     file_path: str | None = None
+    otlp_endpoint: str | None = None
+
+    @field_validator("file_path")
+    @classmethod
+    def _absolute_file_path(cls, value: str | None) -> str | None:
+        return os.path.abspath(value) if value else value
 
     @classmethod
     def from_config(
@@ -84,6 +96,9 @@ class TracingSettings(BaseModel):
                     key="OTEL_TRACES_EXPORTER",
                 )
             data["exporter"] = exporter
+        endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        if endpoint:
+            data["otlp_endpoint"] = endpoint.strip()
         service = env.get("OTEL_SERVICE_NAME")
         if service:
             data["service_name"] = service

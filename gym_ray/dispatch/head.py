@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 import yaml
@@ -29,9 +29,11 @@ from gym_ray.errors import ServerConnectionError, ServerHTTPError, ServerRespons
 __all__ = [
     "GLOBAL_CONFIG_PATH",
     "ClientFactory",
+    "HeadAddress",
     "HeadClientCache",
     "client_from_config",
     "fetch_global_config",
+    "head_url_of",
     "setup_server_client",
 ]
 
@@ -197,3 +199,44 @@ async def setup_server_client(
         return await helper_cache.get(head_url, timeout_s=timeout_s)
     config = await fetch_global_config(head_url, timeout_s=timeout_s)
     return config, (client_factory or client_from_config)(config)
+
+
+@runtime_checkable
+class HeadAddress(Protocol):
+    """Anything with ``host`` and ``port`` attributes (NeMo Gym's ``BaseServerConfig``): a head server."""
+
+    host: str
+    port: int
+
+
+_ADDRESS_KEYS = frozenset({"host", "port"})
+
+
+def head_url_of(value: Any) -> str | None:
+    """The head URL a ``head_server_config`` names, or None when it is a whole config / Topology.
+
+    A URL string, a ``{host, port}`` mapping (no other keys) and any object with ``host`` and ``port``
+    attributes (NeMo Gym's ``BaseServerConfig``) all mean "fetch the config from this head server".
+    """
+    if isinstance(value, str):
+        return value.rstrip("/")
+    if isinstance(value, Topology):
+        return None
+    if isinstance(value, Mapping):
+        if value and set(value) <= _ADDRESS_KEYS:
+            host, port = value.get("host"), value.get("port")
+            if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int):
+                raise UsageError(
+                    f"head_server_config={dict(value)!r} looks like a head address but needs both host (a "
+                    "string) and port (an int), e.g. {'host': '127.0.0.1', 'port': 11000}"
+                )
+            return f"http://{host}:{port}"
+        return None
+    host, port = getattr(value, "host", None), getattr(value, "port", None)
+    if isinstance(host, str) and host and isinstance(port, int) and not isinstance(port, bool):
+        return f"http://{host}:{port}"
+    raise UsageError(
+        f"head_server_config={value!r} is a {type(value).__name__}; pass a head URL ('http://host:port'), "
+        "a {host, port} mapping or an object with host and port attributes (a head server), a global "
+        "config dict or a Topology"
+    )

@@ -35,13 +35,17 @@ from gym_ray.dispatch.engine import (
     interleave_by_agent,
 )
 from gym_ray.dispatch.enrich import OBSERVABILITY_ENABLED, check_capture_options, enrich_run_result, needs_io
-from gym_ray.dispatch.head import HeadClientCache, fetch_global_config
+from gym_ray.dispatch.head import HeadAddress, HeadClientCache, fetch_global_config, head_url_of
 from gym_ray.dispatch.outcomes import RolloutFailureRecord, build_record
 from gym_ray.errors import UsageError
 from gym_ray.record.recording import ShardRecorder
 
 Row = dict[str, Any]
-HeadConfig = str | Mapping[str, Any] | Topology
+
+
+HeadConfig = str | Mapping[str, Any] | Topology | HeadAddress
+
+
 R = TypeVar("R")
 T = TypeVar("T")
 #: Rows validated per batch when the input is a one-shot iterator (a list is validated whole).
@@ -103,8 +107,9 @@ class RolloutCollectionHelper:
         ...     await helper.aclose()
 
     Args:
-        head_server_config: A head URL (``"http://host:port"``), a global config dict, a
-            :class:`Topology`, or None (then pass ``head_server_config`` to each call).
+        head_server_config: A head server (a URL ``"http://host:port"``, a ``{host, port}`` mapping, or an
+            object with ``host`` and ``port`` attributes such as NeMo Gym's ``BaseServerConfig``), a global
+            config dict, a :class:`Topology`, or None (then pass ``head_server_config`` to each call).
         cache_head_config: With a head URL, keep one client and refetch the config per call only to compare
             it (a changed config builds a new client); without it every call fetches the config again.
         max_connections: Requests on the wire at once (the aiohttp connector ``limit``).
@@ -136,17 +141,12 @@ class RolloutCollectionHelper:
         }
         self._head_url: str | None = None
         self._topology: Topology | None = None
-        if isinstance(head_server_config, str):
-            self._head_url = head_server_config.rstrip("/")
-        elif isinstance(head_server_config, Topology):
-            self._topology = head_server_config
-        elif isinstance(head_server_config, Mapping):
-            self._topology = Topology.from_config(head_server_config)
-        elif head_server_config is not None:
-            raise UsageError(
-                f"head_server_config={head_server_config!r} is a {type(head_server_config).__name__}; pass a "
-                "head URL ('http://host:port'), a global config dict or a Topology"
-            )
+        if head_server_config is not None:
+            self._head_url = head_url_of(head_server_config)
+            if isinstance(head_server_config, Topology):
+                self._topology = head_server_config
+            elif self._head_url is None and isinstance(head_server_config, Mapping):
+                self._topology = Topology.from_config(head_server_config)
         self._cache = cache_head_config
         self._head_cache = HeadClientCache(client_factory=self._client_for) if cache_head_config else None
         self._client = ServerClient(_LiveTopology(self), **self._client_kwargs)
@@ -183,9 +183,11 @@ class RolloutCollectionHelper:
             ConfigError: the fetched config is not a valid topology.
         """
         head_url = self._head_url
-        if isinstance(head_server_config, str):
-            head_url = head_server_config.rstrip("/")
+        named = head_url_of(head_server_config) if head_server_config is not None else None
+        if named is not None:
+            head_url = named
         elif head_server_config is not None:
+            assert isinstance(head_server_config, Topology | Mapping)  # head_url_of refused the rest
             self._topology = (
                 head_server_config
                 if isinstance(head_server_config, Topology)
@@ -283,8 +285,9 @@ class RolloutCollectionHelper:
         recorder: ShardRecorder | None = None,
     ) -> DispatchIterator[Row, Any]:
         if recorder is not None:
-            rows = recorder.stamp(rows)
-            batch_size = len(rows)  # one validation batch: the inputs file is written before any row runs
+            copies = recorder.stamp(rows)
+            batch_size = len(copies)  # one validation batch: the inputs file is written before any row runs
+            rows = recorder.rows_to_run(copies)  # lazy: the shard is taken over when the first row is pulled
             if not route_failures_to_sidecar and (not record_unrouted_failures or record_failure is not None):
                 record_failure = recorder.failure_recorder(record_failure)
                 record_unrouted_failures = True
@@ -418,12 +421,18 @@ class RolloutCollectionHelper:
                 failure is kept there before it is raised), the rows as its materialized inputs and its
                 manifest (written before the first row runs), and its progress (written once the
                 iterator is exhausted or closed). It implies ``enrich_results``. The rows are dispatched
-                as copies naming the shard's run (``_ng_run_id``, a fresh id), each with the rollout id
-                ``<run_id>-<own id>`` (own id: the row's ``_ng_rollout_id``, else ``<task>-<rollout>``),
+                as copies naming the shard's run (``_ng_run_id``: a fresh id, or the id the shard was
+                recorded with), each with the rollout id ``<run_id>-<own id>`` (own id: the row's
+                ``_ng_rollout_id``, else ``<task>-<rollout>``),
                 so they need integer ``_ng_task_index`` / ``_ng_rollout_index``. ``plan_resume`` and
                 ``gym-ray status`` read the shard like a collection shard. The rows are held as a list
                 (memory grows with them); record large inputs with ``gym-ray run``.
-            record_shard: The shard label (``[A-Za-z0-9._-]``); the shard must not hold records yet.
+            record_shard: The shard label (``[A-Za-z0-9._-]``). A shard that already holds records is
+                resumed when these are its rows (the same rows, stamped with the run id it was recorded
+                with): only what is missing runs, with attempt indices, and only those rows are handed
+                back. Other rows are refused (``ResumeError``) as other materialized inputs. The first
+                row pulled opens the shard's writer: the last call to record a shard holds it, and an
+                older writer still running gets ``ShardLockError`` on its next write.
             record_omitted_rollouts: When recording, keep drained rows in the failures sidecar.
 
         Returns:
@@ -433,14 +442,16 @@ class RolloutCollectionHelper:
         Raises:
             UsageError: ``max_resident_tasks`` < 1 or a negative budget (at call),
             ``delete_model_call_capture`` without the payloads (at call), only one of
-            ``record_output_dir`` / ``record_shard``, or a shard that already holds records (at call);
+            ``record_output_dir`` / ``record_shard``;
             ``ValidationError`` / ``RoutingError`` from validation at first consumption.
+            ResumeError: When recording, a shard that holds records of other rows (at call, or at first
+                consumption when the validated rows or the config differ).
             InputError: When recording, a row without integer rollout identities (at call).
             ConfigError: An invalid ``record_shard`` label (at call).
             ShardLockError, ShardIOError: From the shard writer, raised by the awaitable of the row
                 whose record could not be written.
         """
-        recorder = _recorder_for(record_output_dir, record_shard, uuid.uuid4().hex, record_omitted_rollouts)
+        recorder = _recorder_for(record_output_dir, record_shard, None, record_omitted_rollouts)
         return self._iterator(
             examples,
             shape="examples",
@@ -496,11 +507,14 @@ class RolloutCollectionHelper:
         explicit rollout ids. ``enrich_results`` adds ``ng_model_call_capture`` / ``ng_trajectory`` /
         ``ng_perf`` to completed records (see :meth:`run_examples`). ``record_output_dir`` /
         ``record_shard`` / ``record_omitted_rollouts`` record the shard as in :meth:`run_examples`; the
-        shard's run id is then ``run_id`` (else a fresh one) and names every row copy. Other arguments and
-        closing are as in :meth:`run_examples`.
+        shard's run id is then ``run_id`` (else the one the shard was recorded with, else a fresh one) and
+        names every row copy. Other arguments and closing are as in :meth:`run_examples`.
         """
-        invocation_id = run_id if run_id is not None else uuid.uuid4().hex
-        recorder = _recorder_for(record_output_dir, record_shard, invocation_id, record_omitted_rollouts)
+        recorder = _recorder_for(record_output_dir, record_shard, run_id, record_omitted_rollouts)
+        if run_id is not None:
+            invocation_id = run_id
+        else:
+            invocation_id = recorder.run_id if recorder is not None else uuid.uuid4().hex
 
         def stamped(rows: Iterable[Mapping[str, Any]]) -> Iterator[Row]:
             for row in rows:
@@ -531,7 +545,7 @@ class RolloutCollectionHelper:
 
 
 def _recorder_for(
-    run_dir: str | os.PathLike[str] | None, shard: str | None, run_id: str, keep_omitted: bool
+    run_dir: str | os.PathLike[str] | None, shard: str | None, run_id: str | None, keep_omitted: bool
 ) -> ShardRecorder | None:
     if run_dir is None and shard is None:
         return None

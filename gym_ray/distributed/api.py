@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -40,10 +39,11 @@ from gym_ray.distributed.driver import Planner, ShardDriver, driver_max_concurre
 from gym_ray.distributed.live import (
     DEFAULT_PROGRESS_INTERVAL_S,
     ProgressHook,
-    ProgressSnapshot,
+    ProgressView,
     poll_progress,
     progress_snapshot,
 )
+from gym_ray.distributed.placement import WorkerPlacement, pinned_to_caller, ray_init_kwargs
 from gym_ray.distributed.worker import (
     DEFAULT_SHARDS_IN_FLIGHT,
     RolloutWorker,
@@ -52,8 +52,7 @@ from gym_ray.distributed.worker import (
     worker_max_concurrency,
 )
 from gym_ray.errors import ConfigError, InternalError, NoProgressError, UsageError
-from gym_ray.observe.progress import ProgressDisplay
-from gym_ray.observe.tracing import ATTR_RUN_ID, current_traceparent, job_span, setup_tracing
+from gym_ray.observe.tracing import ATTR_RUN_ID, Tracer, current_traceparent, job_span, setup_tracing
 
 if TYPE_CHECKING:
     from gym_ray.run.collect import RunResult, ShardSpec
@@ -62,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds cancelled workers get to close their shard writers before their actors are killed.
 DEFAULT_CANCEL_GRACE_S = 10.0
+#: Seconds every actor gets to flush its telemetry (``close()``) before it is killed.
+DEFAULT_CLOSE_GRACE_S = 30.0
 #: Upper bound of the default worker count (one worker drives hundreds of rollouts at once).
 MAX_DEFAULT_WORKERS = 16
 
@@ -70,18 +71,19 @@ MAX_DEFAULT_WORKERS = 16
 class RunActors:
     """The live actors of a distributed run (for status, tests and chaos tools).
 
-    ``workers`` maps worker id -> actor handle and gains replacements as they start; ``lost`` lists the
-    workers that died, in order.
+    ``workers`` maps worker id -> actor handle and gains replacements as they start; ``nodes`` maps
+    worker id -> the Ray node (hex id) it was placed on; ``lost`` lists the workers that died, in order.
     """
 
     driver: Any
     coordinator: Any
     workers: dict[str, Any] = field(default_factory=dict)
+    nodes: dict[str, str] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)
     totals: dict[str, WorkerTotals] = field(default_factory=dict)
 
 
-def plan_from_config(run: RunConfig, rows: Any = None) -> Iterator[ShardSpec]:
+def plan_from_config(run: RunConfig, rows: Any = None, num_workers: int = 1) -> Iterator[ShardSpec]:
     """Default planner (runs in the driver actor): validate the input rows, then plan the run lazily.
 
     Uses :func:`gym_ray.plan.shards.iter_prepare_run`: a whole validation pass first (bad input raises before
@@ -92,6 +94,7 @@ def plan_from_config(run: RunConfig, rows: Any = None) -> Iterator[ShardSpec]:
     Args:
         run: The run's config, with the topology already resolved.
         rows: ``None`` to read ``input_jsonl_fpath``, or an ``ObjectRef`` of a list of rows.
+        num_workers: Workers of the run (sizes shards automatically when ``shard_size`` is unset).
 
     Returns:
         The planned shards, in input order (a generator: planning happens as it is consumed).
@@ -100,7 +103,7 @@ def plan_from_config(run: RunConfig, rows: Any = None) -> Iterator[ShardSpec]:
 
     # This runs in a thread of the async driver actor: wait on the ref's future (ray.get would warn).
     source: list[dict[str, Any]] | None = rows.future().result() if rows is not None else None
-    return iter_prepare_run(run, rows=source)
+    return iter_prepare_run(run, rows=source, num_workers=num_workers)
 
 
 async def run_actors(
@@ -115,6 +118,7 @@ async def run_actors(
     shards_in_flight: int = DEFAULT_SHARDS_IN_FLIGHT,
     max_worker_restarts: int | None = None,
     cancel_grace_s: float = DEFAULT_CANCEL_GRACE_S,
+    close_grace_s: float = DEFAULT_CLOSE_GRACE_S,
     on_started: Callable[[RunActors], None] | None = None,
     traceparent: str | None = None,
     on_progress: ProgressHook | None = None,
@@ -136,6 +140,8 @@ async def run_actors(
         shards_in_flight: Shards each worker runs at once (sharing its admission semaphore).
         max_worker_restarts: Replacement workers allowed in total (default ``2 x num_workers``).
         cancel_grace_s: On cancellation, seconds workers get to close their writers before being killed.
+        close_grace_s: Seconds the actors get, all at once, to flush their telemetry (their ``close()``)
+            before they are killed, at the end of every run (finished, failed or cancelled).
         on_started: Called once the actors exist, with the live :class:`RunActors` (it stays current).
         traceparent: W3C ``traceparent`` of the caller's job span, given to every worker so rollout spans
             link to it (see :func:`gym_ray.observe.tracing.current_traceparent`).
@@ -159,13 +165,26 @@ async def run_actors(
     started = time.monotonic() if started_at is None else started_at
     if num_workers < 1:
         raise UsageError(f"num_workers must be >= 1, got {num_workers}; pass num_workers=1 or more")
+    cap = settings.concurrency_cap
+    if cap is not None and num_workers > cap:
+        logger.warning(
+            "collect: %d workers asked, but num_samples_in_parallel=%d allows at most %d rollouts in flight "
+            "for the whole run; starting %d workers",
+            num_workers,
+            cap,
+            cap,
+            cap,
+        )
+        num_workers = cap
+    shares = worker_shares(cap, num_workers)
     restarts_left = 2 * num_workers if max_worker_restarts is None else max_worker_restarts
     driver_concurrency = driver_max_concurrency(num_workers, shards_in_flight)
     worker_concurrency = worker_max_concurrency(settings)
     coordinator_concurrency = num_workers * shards_in_flight + 16
     logger.info(
         "collect: %d workers x %d shard lanes, max_resident_tasks=%d and max_connections=%d per worker; "
-        "actor max_concurrency: driver=%d worker=%d coordinator=%d; num_cpus=0 for every actor",
+        "actor max_concurrency: driver=%d worker=%d coordinator=%d; num_cpus=0 for every actor, workers "
+        "spread over the nodes with CPUs, driver and coordinator on this node",
         num_workers,
         shards_in_flight,
         settings.max_resident_tasks,
@@ -177,25 +196,36 @@ async def run_actors(
     # Actor handles are typed Any: Ray's stubs do not type ``.remote`` calls of plain classes.
     coordinator: Any = (
         ray.remote(RunCoordinator)
-        .options(num_cpus=0, max_concurrency=coordinator_concurrency)
+        .options(max_concurrency=coordinator_concurrency, **pinned_to_caller())
         .remote(run_dir, run, finalize_fn=finalize_fn)
     )
     driver: Any = (
         ray.remote(ShardDriver)
-        .options(num_cpus=0, max_concurrency=driver_concurrency)
+        .options(max_concurrency=driver_concurrency, **pinned_to_caller())
         .remote(planner, lookahead=2 * num_workers, coordinator=coordinator)
     )
     actors = RunActors(driver=driver, coordinator=coordinator)
-    worker_class: Any = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=worker_concurrency)
+    worker_class: Any = ray.remote(RolloutWorker)
+    placement = WorkerPlacement()
     runs: dict[asyncio.Future[WorkerTotals], str] = {}
     refs: dict[str, Any] = {}
 
-    def create_worker(worker_id: str) -> Any:
-        handle: Any = worker_class.remote(
+    share_of: dict[str, int | None] = {}
+
+    def create_worker(worker_id: str, share: int | None) -> Any:
+        share_of[worker_id] = share
+        # A whole-run cap is split across workers: each admits at most its share, the shares sum to it.
+        worker_run = run if share is None else run.with_share(share)
+        live = {w for w in actors.workers if w not in actors.lost}
+        options = placement.options(worker_id, live)
+        node = placement.node_of(worker_id)
+        if node is not None:
+            actors.nodes[worker_id] = node
+        handle: Any = worker_class.options(max_concurrency=worker_concurrency, **options).remote(
             worker_id,
             driver,
             coordinator,
-            run,
+            worker_run,
             shard_fn=shard_fn,
             shards_in_flight=shards_in_flight,
             traceparent=traceparent,
@@ -218,7 +248,10 @@ async def run_actors(
         initial = [f"w{index}" for index in range(num_workers)]
         # Start line: every worker process is up before any pulls, so early workers cannot take the
         # whole first wave of shards. A worker that failed to start fails its run() and is replaced.
-        await asyncio.gather(*(create_worker(w).pid.remote() for w in initial), return_exceptions=True)
+        await asyncio.gather(
+            *(create_worker(w, share).pid.remote() for w, share in zip(initial, shares, strict=True)),
+            return_exceptions=True,
+        )
         for worker_id in initial:
             launch(worker_id)
         next_index = num_workers
@@ -249,7 +282,7 @@ async def run_actors(
                         replacement = f"w{next_index}"
                         next_index += 1
                         logger.warning("collect: starting replacement worker %s", replacement)
-                        create_worker(replacement)
+                        create_worker(replacement, share_of[worker_id])  # takes over the lost share
                         launch(replacement)
         await _stop_poller(poller)
         if on_progress is not None:
@@ -276,7 +309,23 @@ async def run_actors(
         return result
     finally:
         await _stop_poller(poller)
-        await _teardown(actors, runs, refs, graceful=finished, grace_s=cancel_grace_s)
+        await _teardown(
+            actors, runs, refs, graceful=finished, grace_s=cancel_grace_s, close_grace_s=close_grace_s
+        )
+
+
+def worker_shares(cap: int | None, num_workers: int) -> list[int | None]:
+    """Each worker's part of a whole-run cap on rollouts in flight: parts differ by at most one and sum to
+    ``cap`` (``num_workers`` <= ``cap``); ``[None] * num_workers`` without a cap.
+
+    Example:
+        >>> worker_shares(7, 3)
+        [3, 2, 2]
+    """
+    if cap is None:
+        return [None] * num_workers
+    base, extra = divmod(cap, num_workers)
+    return [base + (1 if index < extra else 0) for index in range(num_workers)]
 
 
 async def _stop_poller(poller: asyncio.Future[None] | None) -> None:
@@ -296,23 +345,52 @@ async def _teardown(
     *,
     graceful: bool,
     grace_s: float,
+    close_grace_s: float = DEFAULT_CLOSE_GRACE_S,
 ) -> None:
-    """Stop every actor of the run. Not graceful: cancel live ``run()`` calls, wait ``grace_s``, kill."""
+    """Stop every actor of the run: cancel live ``run()`` calls (wait ``grace_s``), then ``close()`` every
+    live actor so it flushes its telemetry (wait ``close_grace_s``), then kill them all (the backstop)."""
     import ray
 
-    if runs:
-        for worker_id in runs.values():
-            ray.cancel(refs[worker_id])
-        await asyncio.wait(runs, timeout=grace_s)
-        for run in runs:
-            run.cancel()
-        # Retrieve every outcome (cancelled, killed, ...) so that none is reported as never retrieved.
-        await asyncio.gather(*runs, return_exceptions=True)
-        runs.clear()
-    if not graceful:
-        logger.warning("collect: stopping the run; the run folder is resumable (run again on it)")
-    for handle in [*actors.workers.values(), actors.driver, actors.coordinator]:
-        ray.kill(handle, no_restart=True)
+    handles = [
+        *(handle for worker_id, handle in actors.workers.items() if worker_id not in actors.lost),
+        actors.driver,
+        actors.coordinator,
+    ]
+    try:
+        if runs:
+            for worker_id in runs.values():
+                ray.cancel(refs[worker_id])
+            await asyncio.wait(runs, timeout=grace_s)
+            for run in runs:
+                run.cancel()
+            # Retrieve every outcome (cancelled, killed, ...) so that none is reported as never retrieved.
+            await asyncio.gather(*runs, return_exceptions=True)
+            runs.clear()
+        if not graceful:
+            logger.warning("collect: stopping the run; the run folder is resumable (run again on it)")
+        await _close_actors(handles, timeout_s=close_grace_s)
+    finally:
+        for handle in [*actors.workers.values(), actors.driver, actors.coordinator]:
+            ray.kill(handle, no_restart=True)
+
+
+async def _close_actors(handles: Sequence[Any], *, timeout_s: float) -> None:
+    """Call ``close()`` on every actor at once and wait up to ``timeout_s`` (a dead or slow actor is
+    logged and left to the kill that follows)."""
+    closing = [asyncio.ensure_future(handle.close.remote()) for handle in handles]
+    _, pending = await asyncio.wait(closing, timeout=timeout_s)
+    for call in pending:
+        call.cancel()
+    outcomes = await asyncio.gather(*closing, return_exceptions=True)
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    if failed:
+        logger.warning(
+            "collect: %d of %d actors did not close within %g s (%s); telemetry they still held may be lost",
+            len(failed),
+            len(handles),
+            timeout_s,
+            type(failed[0]).__name__,
+        )
 
 
 @asynccontextmanager
@@ -323,11 +401,7 @@ async def _ray_connection(address: str | None) -> Any:
     if ray.is_initialized():
         yield ray
         return
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        init = functools.partial(ray.init, num_cpus=os.cpu_count() or 1, include_dashboard=False)
-    else:
-        init = functools.partial(ray.init, address=address)
-    await asyncio.to_thread(init)
+    await asyncio.to_thread(functools.partial(ray.init, **ray_init_kwargs(address)))
     try:
         yield ray
     finally:
@@ -399,12 +473,12 @@ async def acollect(
     run_dir = str(Path(run_settings.output_dir))
     tracer = setup_tracing(run.tracing)
     show = sys.stderr.isatty() if progress is None else progress
-    view = _ProgressView() if show else None
+    view = ProgressView(stream=sys.stderr, enabled=True) if show else None
     try:
         async with _ray_connection(address) as ray:
             workers = num_workers or run_settings.num_workers or _default_num_workers(ray)
             rows_ref = ray.put([dict(row) for row in rows]) if rows is not None else None
-            planner = functools.partial(plan_from_config, run, rows_ref)
+            planner = functools.partial(plan_from_config, run, rows_ref, workers)
             with job_span(tracer, run_dir=run_dir) as span:
                 result = await run_actors(
                     run,
@@ -417,31 +491,17 @@ async def acollect(
                 )
                 if span is not None:
                     span.set_attribute(ATTR_RUN_ID, result.run_id)
-                return result
+            return result
     finally:
+        await _flush(tracer)  # the job span is exported when collect returns or raises
         if view is not None:
             view.close()
 
 
-class _ProgressView:
-    """Adapter from progress snapshots to a :class:`gym_ray.observe.progress.ProgressDisplay` on stderr.
-
-    The display is built at the first snapshot that knows the run's total (once the input is validated).
-    """
-
-    def __init__(self) -> None:
-        self._display: ProgressDisplay | None = None
-
-    def __call__(self, snapshot: ProgressSnapshot) -> None:
-        if snapshot.total is None:
-            return
-        if self._display is None:
-            self._display = ProgressDisplay(snapshot.total, stream=sys.stderr, enabled=True)
-        self._display.update(done=snapshot.done, failed=snapshot.failed, by_server=snapshot.by_server)
-
-    def close(self) -> None:
-        if self._display is not None:
-            self._display.close()
+async def _flush(tracer: Tracer | None) -> None:
+    """Export this process's finished spans and metric values now (the tracer stays usable)."""
+    if tracer is not None:
+        await asyncio.to_thread(tracer.flush)
 
 
 def collect(
@@ -486,4 +546,4 @@ def collect(
     )
 
 
-__all__ = ["RunActors", "acollect", "collect", "plan_from_config", "run_actors"]
+__all__ = ["RunActors", "acollect", "collect", "plan_from_config", "run_actors", "worker_shares"]

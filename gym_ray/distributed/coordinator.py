@@ -18,6 +18,7 @@ Ray resources: IO bound; start it with ``num_cpus=0``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -135,9 +136,22 @@ class RunCoordinator:
         self._plan_done = False
         self._by_server: dict[str, list[float]] = {}
 
+    def node_id(self) -> str:
+        """The Ray node (hex id) this actor runs on."""
+        from gym_ray.distributed.placement import current_node_id
+
+        return current_node_id()
+
     def pid(self) -> int:
         """This actor's process id (benchmarks sample its memory)."""
         return os.getpid()
+
+    async def close(self) -> None:
+        """Flush and shut down this process's telemetry before the actor is killed (idempotent; a no-op
+        when nothing was traced here). See :func:`gym_ray.observe.tracing.shutdown_tracing`."""
+        from gym_ray.observe.tracing import shutdown_tracing
+
+        await asyncio.to_thread(shutdown_tracing)
 
     async def record_report(
         self, report: ShardReport, by_server: Mapping[str, tuple[int, float]] | None = None

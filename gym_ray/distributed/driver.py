@@ -3,7 +3,11 @@
 Workers pull (``next_shard``); nothing is split statically, so a fast worker takes more shards and a
 straggler holds only the shards it is running. The driver tracks which worker holds which shard; when a
 worker dies (:meth:`ShardDriver.worker_lost`) its unfinished shards go back to the *front* of the queue
-and the next worker to ask resumes them (the shard writer's token makes any zombie writer fail).
+and the next worker to ask takes them over and resumes them. Takeover does not wait for the old worker:
+a worker declared lost may still be alive (frozen, preempted, partitioned) and the new one opens the
+shard's writer with a new token all the same, so the zombie's next write fails with
+:class:`~gym_ray.errors.ShardLockError` and adds nothing. Completions and failures a worker reports for
+a shard it no longer holds are ignored.
 
 Concurrency promises:
 
@@ -136,6 +140,12 @@ class ShardDriver:
             self._planner_task = asyncio.get_running_loop().create_task(self._plan_loop())
         return self._changed
 
+    def node_id(self) -> str:
+        """The Ray node (hex id) this actor runs on."""
+        from gym_ray.distributed.placement import current_node_id
+
+        return current_node_id()
+
     def pid(self) -> int:
         """This actor's process id (benchmarks sample its memory)."""
         return os.getpid()
@@ -145,13 +155,17 @@ class ShardDriver:
         self._cond()
 
     async def close(self) -> None:
-        """Stop planning after the shard being cut (if any) and join the planner task. Idempotent."""
+        """Stop planning after the shard being cut (if any), join the planner task, then flush and shut
+        down this process's telemetry (see :func:`gym_ray.observe.tracing.shutdown_tracing`). Idempotent."""
+        from gym_ray.observe.tracing import shutdown_tracing
+
         cond = self._cond()
         async with cond:
             self._closing = True
             cond.notify_all()
         if self._planner_task is not None:
             await self._planner_task
+        await asyncio.to_thread(shutdown_tracing)
 
     async def _plan_loop(self) -> None:
         cond = self._cond()
@@ -250,24 +264,30 @@ class ShardDriver:
     async def shard_failed(self, failure: ShardFailure) -> bool:
         """Record a shard that raised in its worker. Returns True when this aborts the run.
 
-        A :class:`~gym_ray.errors.ShardLockError` from a worker that no longer owns the shard means a
-        newer worker took it over: ignored. Any other failure aborts the hand-out (workers finish what
-        they hold); the run folder stays resumable.
+        A failure from a worker that no longer owns the shard (it was declared lost and the shard
+        re-queued) is ignored, whatever its type: the shard is someone else's now, and that zombie's next
+        write failed with :class:`~gym_ray.errors.ShardLockError`, or it stalled past the no-progress
+        timeout while frozen. A failure of the shard's owner aborts the hand-out (workers finish what they
+        hold), a ``ShardLockError`` included (something outside this run opened the shard); the run folder
+        stays resumable.
         """
         cond = self._cond()
         async with cond:
             owner = self._owner.get(failure.shard)
-            if failure.error_type == ShardLockError.__name__ and owner != failure.worker:
-                logger.info(
-                    "driver: shard %s superseded in %s (now owned by %s)",
+            if owner != failure.worker:
+                level = logging.INFO if failure.error_type == ShardLockError.__name__ else logging.WARNING
+                logger.log(
+                    level,
+                    "driver: ignoring %s of shard %s from %s, which no longer holds it (holder now: %s): %s",
+                    failure.error_type,
                     failure.shard,
                     failure.worker,
-                    owner,
+                    owner or "none, re-queued or complete",
+                    failure.message,
                 )
                 return False
-            if owner == failure.worker:
-                del self._owner[failure.shard]
-                self._by_worker[failure.worker].discard(failure.shard)
+            del self._owner[failure.shard]
+            self._by_worker[failure.worker].discard(failure.shard)
             self._failures.append(failure)
             logger.error("driver: shard %s failed in %s: %s", failure.shard, failure.worker, failure.message)
             cond.notify_all()

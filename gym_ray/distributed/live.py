@@ -14,6 +14,9 @@ running shards wrote disappears from the sum until a replacement finishes those 
 counts those rollouts as ``already_done`` (without the server breakdown). The final snapshot, taken after
 every worker returned, is exact for this run.
 
+Display: :class:`ProgressView` turns the snapshots into the progress line (rate and ETA from counts over
+a time window, :mod:`gym_ray.observe.rate`).
+
 Concurrency: :func:`poll_progress` is one loop owned by its caller (``run_actors`` cancels and joins it);
 each poll issues one ``status`` call to the coordinator and one ``progress`` call per live worker.
 """
@@ -22,9 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
+
+from gym_ray.observe.progress import ProgressDisplay
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +48,15 @@ class ProgressSnapshot:
         done: Rollouts settled so far (successes, failure records, and rows done by an earlier run).
         failed: Of those, failure records written by this run.
         by_server: Environment server -> (successes of this run, their reward sum).
+        already_done: Of ``done``, the rows an earlier run of the same folder settled (counted when
+            their shard finishes, so they arrive in jumps; the rate leaves them out).
     """
 
     total: int | None
     done: int
     failed: int
     by_server: dict[str, tuple[int, float]]
+    already_done: int = 0
 
 
 ProgressHook = Callable[[ProgressSnapshot], None]
@@ -73,7 +83,13 @@ async def progress_snapshot(coordinator: Any, workers: Iterable[Any]) -> Progres
         done += answer.succeeded + answer.failed
         failed += answer.failed
         by_server = _merged(by_server, answer.by_server)
-    return ProgressSnapshot(total=status.rows_total, done=done, failed=failed, by_server=by_server)
+    return ProgressSnapshot(
+        total=status.rows_total,
+        done=done,
+        failed=failed,
+        by_server=by_server,
+        already_done=status.already_done,
+    )
 
 
 def _merged(
@@ -112,3 +128,59 @@ async def poll_progress(
             logger.debug("progress: poll skipped: %s: %s", type(exc).__name__, exc)
             continue
         on_progress(snapshot)
+
+
+class ProgressView:
+    """The live progress line of a distributed run: snapshots in, a :class:`ProgressDisplay` line out.
+
+    Use it as ``on_progress`` of :func:`gym_ray.distributed.api.run_actors`. The display is built at the
+    first snapshot that knows the run's total (once the input is validated), with that snapshot as the
+    baseline of the rate: work done before the view existed is never counted as done in no time. The
+    rate (a :class:`~gym_ray.observe.rate.RateMeter` over ``window_s``) counts what this run settled
+    (``done - already_done``); the ETA is the rows left (``total - done``) at that rate.
+
+    Args:
+        stream: Where the line goes.
+        clock: Monotonic clock (injectable for tests).
+        interval_s: Minimum seconds between two lines.
+        enabled: Write at all; None means "when ``stream`` is a TTY".
+    """
+
+    def __init__(
+        self,
+        *,
+        stream: TextIO = sys.stderr,
+        clock: Callable[[], float] = time.monotonic,
+        interval_s: float = 1.0,
+        enabled: bool | None = True,
+    ) -> None:
+        self._stream = stream
+        self._clock = clock
+        self._interval_s = interval_s
+        self._enabled = enabled
+        self.display: ProgressDisplay | None = None
+
+    def __call__(self, snapshot: ProgressSnapshot) -> None:
+        """Take one snapshot (ignored until the total is known)."""
+        if snapshot.total is None:
+            return
+        if self.display is None:
+            self.display = ProgressDisplay(
+                snapshot.total,
+                stream=self._stream,
+                clock=self._clock,
+                interval_s=self._interval_s,
+                enabled=self._enabled,
+                baseline=None,
+            )
+        self.display.update(
+            done=snapshot.done,
+            failed=snapshot.failed,
+            by_server=snapshot.by_server,
+            rate_count=snapshot.done - snapshot.already_done,
+        )
+
+    def close(self) -> None:
+        """Write the final line (when a display was built). Idempotent."""
+        if self.display is not None:
+            self.display.close()

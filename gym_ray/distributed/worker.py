@@ -16,15 +16,18 @@ Concurrency and failure promises:
   :class:`WorkerProgress`).
 - A shard that raises is reported to the driver as a :class:`ShardFailure` and the lane moves on (the
   ``on_error`` hook of ``run_shards``: the other lanes are not disturbed). A
-  :class:`~gym_ray.errors.ShardLockError` usually means a newer worker owns the shard: the driver ignores
-  it. The shard folder stays resumable.
+  :class:`~gym_ray.errors.ShardLockError` means a newer writer took the shard over (this worker was
+  declared lost while still alive, e.g. frozen): this worker wrote nothing more to it, and the driver
+  ignores the failure of a shard it re-queued. The shard folder stays resumable.
 - Lanes are owned by a ``TaskGroup`` inside ``run_shards``; cancelling ``run()`` (``ray.cancel``) cancels
   them, which closes every shard writer and the client pool.
 
 Tracing: ``run()`` sets up this process's tracer from the run config and runs every shard inside
 :func:`~gym_ray.observe.tracing.attach_traceparent` of the driver's job span, so each rollout's root span
 links to
-the job span (no effect when tracing is off or no ``traceparent`` was given).
+the job span (no effect when tracing is off or no ``traceparent`` was given). :meth:`RolloutWorker.close`
+flushes and shuts the telemetry down; the run calls it before killing the actor, so no span or metric
+point held by a batch exporter is lost with the process.
 
 Live progress: :meth:`RolloutWorker.progress` answers the outcomes written so far by the shards this worker
 is *running* (counts by environment server with reward sums, failures), counted per outcome by
@@ -215,6 +218,12 @@ class RolloutWorker:
         self._failures: list[ShardFailure] = []
         self._live: dict[str, OutcomeTally] = {}
 
+    def node_id(self) -> str:
+        """The Ray node (hex id) this actor runs on."""
+        from gym_ray.distributed.placement import current_node_id
+
+        return current_node_id()
+
     def pid(self) -> int:
         """The worker's process id (chaos tests kill it)."""
         return os.getpid()
@@ -235,6 +244,19 @@ class RolloutWorker:
             failed=total.failed,
             by_server=total.servers(),
         )
+
+    async def close(self) -> None:
+        """Flush this process's telemetry and shut its providers down: the graceful end of the actor.
+
+        Spans still queued in a batch span processor and the last values of a periodic metric reader
+        (``otlp``, ``console`` exporters) are exported before this returns (each provider waits at most
+        :data:`~gym_ray.observe.tracing.DEFAULT_FLUSH_TIMEOUT_S`). The run calls it once ``run()`` has
+        returned or was cancelled, and kills the actor after a bounded wait. Idempotent; a no-op when
+        tracing is off.
+        """
+        from gym_ray.observe.tracing import shutdown_tracing
+
+        await asyncio.to_thread(shutdown_tracing)
 
     async def run(self) -> WorkerTotals:
         """Pull and run shards until the driver has none left; return this worker's totals.

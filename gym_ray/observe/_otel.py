@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -43,6 +44,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from gym_ray.config.tracing import TRACING_KEY, TracingSettings
 from gym_ray.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "JsonlSpanExporter",
@@ -128,12 +131,20 @@ class Providers:
     metric_reader: MetricReader | None
 
 
-def _import_first(modules: tuple[str, ...], attr: str) -> Any:
+def _otlp_exporter(modules: tuple[str, ...], attr: str, endpoint: str | None, path: str) -> Any:
+    """The first importable OTLP exporter class of ``modules``, built for ``endpoint`` (None: its
+    ``OTEL_EXPORTER_OTLP_*`` environment). OTLP/HTTP posts to ``<endpoint>/v1/<signal>``; gRPC takes the
+    endpoint as is."""
     for name in modules:
         try:
-            return getattr(importlib.import_module(name), attr)
+            cls = getattr(importlib.import_module(name), attr)
         except ImportError:
             continue
+        if endpoint is None:
+            return cls()
+        if ".http." in name:
+            return cls(endpoint=endpoint.rstrip("/") + path)
+        return cls(endpoint=endpoint)
     raise ConfigError(
         "tracing.exporter = 'otlp' needs the OTLP exporter package, which is not installed; run "
         "`pip install opentelemetry-exporter-otlp` or choose exporter console|memory|none",
@@ -157,13 +168,15 @@ def build_providers(
 
     Returns:
         The providers. Metrics are off (``meter_provider`` None) unless enabled and the exporter kind has
-        a metric reader (``memory``, ``console``, ``otlp``) or ``metric_reader`` is given.
+        a metric reader (``memory``, ``console``, ``otlp``) or ``metric_reader`` is given; enabled metrics
+        that cannot be exported (``none``, ``file``) are logged as a warning here, at start.
 
     Raises:
         ConfigError: ``exporter: otlp`` without the ``opentelemetry-exporter-otlp`` package, or
             ``exporter: file`` without ``file_path``.
     """
-    resource = Resource.create({"service.name": settings.service_name})
+    # process.pid tells the processes of a run apart (driver, each Ray worker) in any backend.
+    resource = Resource.create({"service.name": settings.service_name, "process.pid": os.getpid()})
     provider = TracerProvider(resource=resource)
     memory: InMemorySpanExporter | None = None
     if span_exporter is not None:
@@ -175,8 +188,8 @@ def build_providers(
     elif settings.exporter == "console":
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     elif settings.exporter == "otlp":
-        otlp_spans = _import_first(_OTLP_MODULES, "OTLPSpanExporter")
-        provider.add_span_processor(BatchSpanProcessor(otlp_spans()))
+        otlp_spans = _otlp_exporter(_OTLP_MODULES, "OTLPSpanExporter", settings.otlp_endpoint, "/v1/traces")
+        provider.add_span_processor(BatchSpanProcessor(otlp_spans))
     elif settings.exporter == "file":
         if not settings.file_path:
             raise ConfigError(
@@ -193,6 +206,12 @@ def build_providers(
             reader = _metric_reader(settings)
         if reader is not None:
             meter_provider = MeterProvider(metric_readers=[reader], resource=resource)
+        else:
+            logger.warning(
+                "tracing.metrics_enabled is true but exporter '%s' cannot export metrics: no metrics are "
+                "recorded; use exporter otlp, console or memory for metrics",
+                settings.exporter,
+            )
     return Providers(provider, memory, meter_provider, reader)
 
 
@@ -204,7 +223,9 @@ def _metric_reader(settings: TracingSettings) -> MetricReader | None:
     if settings.exporter == "console":
         exporter = ConsoleMetricExporter()
     elif settings.exporter == "otlp":
-        exporter = _import_first(_OTLP_METRIC_MODULES, "OTLPMetricExporter")()
+        exporter = _otlp_exporter(
+            _OTLP_METRIC_MODULES, "OTLPMetricExporter", settings.otlp_endpoint, "/v1/metrics"
+        )
     else:
         return None
     return PeriodicExportingMetricReader(exporter, export_interval_millis=interval_ms)

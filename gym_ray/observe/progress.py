@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 from gym_ray import keys
 from gym_ray.errors import UsageError
+from gym_ray.observe.rate import DEFAULT_RATE_WINDOW_S, RateMeter
 
 __all__ = ["ProgressCounter", "ProgressDisplay", "format_duration"]
 
@@ -46,9 +47,10 @@ def _is_tty(stream: TextIO) -> bool:
 class ProgressDisplay:
     """Renders ``"1234/5000 (24.7%) 310.2/s failed 3 ETA 12s | arith_env 0.84 arith_env_hard 0.69"``.
 
-    The rate is rollouts done per second since the display was built; the ETA is the rollouts left at
-    that rate (``--`` before the first one is done); each environment server shows its mean reward over
-    its successes (``-`` with none), servers in name order.
+    The rate is rollouts settled per second over the last ``window_s`` seconds (a
+    :class:`~gym_ray.observe.rate.RateMeter`; ``--/s`` while unknown); the ETA is the rollouts left at
+    that rate (``--`` while the rate is unknown or zero); each environment server shows its mean reward
+    over its successes (``-`` with none), servers in name order.
 
     Args:
         total: Rollouts this display expects (>= 0).
@@ -56,6 +58,9 @@ class ProgressDisplay:
         interval_s: Minimum seconds between two rendered lines (>= 0).
         clock: Monotonic clock (injectable for tests).
         enabled: Write at all; None means "when ``stream`` is a TTY".
+        baseline: The count at construction (0: the display is built before any work is done). None
+            when work may already be done: the first update is then the baseline of the rate.
+        window_s: Seconds of history the rate is measured over.
 
     Raises:
         UsageError: ``total`` or ``interval_s`` is negative.
@@ -69,6 +74,8 @@ class ProgressDisplay:
         interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         enabled: bool | None = None,
+        baseline: int | None = 0,
+        window_s: float = DEFAULT_RATE_WINDOW_S,
     ) -> None:
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise UsageError(f"ProgressDisplay total={total!r} must be an int >= 0 (the rollouts expected)")
@@ -80,7 +87,9 @@ class ProgressDisplay:
         self._clock = clock
         self._tty = _is_tty(stream)
         self.enabled = self._tty if enabled is None else enabled
-        self._started = clock()
+        self.meter = RateMeter(window_s=window_s, clock=clock)
+        if baseline is not None:
+            self.meter.observe(baseline)
         self._last_render: float | None = None
         self._width = 0
         self._closed = False
@@ -88,14 +97,24 @@ class ProgressDisplay:
         self.failed = 0
         self.by_server: dict[str, tuple[int, float]] = {}
 
-    def update(self, *, done: int, failed: int, by_server: Mapping[str, tuple[int, float]]) -> None:
+    def update(
+        self,
+        *,
+        done: int,
+        failed: int,
+        by_server: Mapping[str, tuple[int, float]],
+        rate_count: int | None = None,
+    ) -> None:
         """Take the counts as they stand and render if ``interval_s`` has passed since the last line.
 
         Args:
             done: Rollouts settled so far (successes and failures).
             failed: Of those, the failures.
             by_server: Environment server -> (successes, sum of their rewards).
+            rate_count: The count the rate is measured on, when it differs from ``done`` (e.g. without
+                the rows an earlier run of the same folder settled, which arrive in jumps).
         """
+        self.meter.observe(done if rate_count is None else rate_count)
         self.done = done
         self.failed = failed
         self.by_server = dict(by_server)
@@ -109,17 +128,13 @@ class ProgressDisplay:
 
     def render(self) -> str:
         """The progress line for the counts as they stand (no line ending)."""
-        elapsed = self._clock() - self._started
-        rate = self.done / elapsed if elapsed > 0 else 0.0
+        now = self._clock()
+        rate_per_s = self.meter.rate_per_s(now=now)
+        rate = "--" if rate_per_s is None else f"{rate_per_s:.1f}"
         percent = 100.0 * self.done / self.total if self.total else 100.0
-        left = max(0, self.total - self.done)
-        if left == 0:
-            eta = "0s"
-        elif rate > 0:
-            eta = format_duration(left / rate)
-        else:
-            eta = "--"
-        line = f"{self.done}/{self.total} ({percent:.1f}%) {rate:.1f}/s failed {self.failed} ETA {eta}"
+        eta_s = self.meter.eta_s(self.total - self.done, now=now)
+        eta = "--" if eta_s is None else format_duration(eta_s)
+        line = f"{self.done}/{self.total} ({percent:.1f}%) {rate}/s failed {self.failed} ETA {eta}"
         if self.by_server:
             means = " ".join(
                 f"{name} {_mean(successes, reward_sum)}"

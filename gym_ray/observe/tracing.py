@@ -14,12 +14,16 @@ Rollouts are never descendants of the job span, so each trace stays bounded by o
 
 Configuration: the run config's ``tracing:`` block (:class:`TracingSettings`), then the standard
 environment variables, which win: ``OTEL_TRACES_EXPORTER`` (``none|console|otlp|memory|file``),
-``OTEL_SERVICE_NAME``, ``OTEL_SDK_DISABLED=true`` (forces tracing off); the OTLP exporter itself reads
-``OTEL_EXPORTER_OTLP_*``.
+``OTEL_SERVICE_NAME``, ``OTEL_SDK_DISABLED=true`` (forces tracing off), ``OTEL_EXPORTER_OTLP_ENDPOINT``
+(read where the run starts and shipped to the actors as ``otlp_endpoint``); without an endpoint the OTLP
+exporter reads ``OTEL_EXPORTER_OTLP_*`` in each process.
 
 Processes: a provider is built once per process and settings (cached; :func:`shutdown_tracing` flushes
 and forgets them). Providers are not installed as the OpenTelemetry global provider, so several runs with
-different settings can share a process. A Ray worker calls :func:`setup_tracing_from_config` with the
+different settings can share a process. Every process that records telemetry calls
+:func:`shutdown_tracing` before it ends (the actors' ``close()``, the CLI on exit), and a collection calls
+:meth:`Tracer.flush` when it returns: a span or metric point held by a batch exporter is never lost with
+its process. A Ray worker calls :func:`setup_tracing_from_config` with the
 run config (``run_shard`` does so itself) and, to link its rollouts to the driver's job span, runs its
 shards inside :func:`attach_traceparent` with the driver's :func:`current_traceparent`.
 
@@ -33,6 +37,8 @@ reader of the ``console`` and ``otlp`` exporters (joined by :func:`shutdown_trac
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -64,6 +70,8 @@ from gym_ray.observe._otel import SettingsCache, build_providers
 if TYPE_CHECKING:
     from gym_ray.dispatch.client import ServerClient
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "PRESETS",
     "TRACING_KEY",
@@ -75,6 +83,7 @@ __all__ = [
     "current_traceparent",
     "job_span",
     "rollout_span",
+    "run_scope",
     "setup_tracing",
     "setup_tracing_from_config",
     "shutdown_tracing",
@@ -101,8 +110,13 @@ ATTR_SERVER_NAME = "gym_ray.server.name"
 ROLLOUT_SPAN = "gym_ray.rollout"
 JOB_SPAN = "gym_ray.job"
 
+#: Seconds :func:`shutdown_tracing` and :meth:`Tracer.flush` wait for the exporters by default.
+DEFAULT_FLUSH_TIMEOUT_S = 10.0
+
 _PROPAGATOR = TraceContextTextMapPropagator()
 _ROOT = Context()
+# The run id rollout spans carry when their row names none (set by :func:`run_scope`).
+_RUN_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("gym_ray_trace_run_id", default=None)
 
 
 class RunMetrics:
@@ -215,6 +229,25 @@ class Tracer:
         self.metrics = metrics
         self.meter_provider = meter_provider
 
+    def flush(self, timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S) -> bool:
+        """Export every finished span and the current metric values now; providers stay usable.
+
+        Blocks up to ``timeout_s`` per provider (call it in a thread from async code when the exporter
+        is ``otlp``). Returns False when an exporter did not finish in time (logged as a warning).
+        """
+        timeout_ms = int(timeout_s * 1000)
+        flushed = self.provider.force_flush(timeout_ms)
+        if self.meter_provider is not None:
+            flushed = self.meter_provider.force_flush(timeout_ms) and flushed
+        if not flushed:
+            logger.warning(
+                "tracing: the %s exporter did not finish exporting within %g s; spans or metric points "
+                "may be lost",
+                self.settings.exporter,
+                timeout_s,
+            )
+        return flushed
+
     def job_links(self) -> tuple[Link, ...]:
         """Links to the job span current in this context (empty under ``per_rollout`` or without one)."""
         if "job" not in self.groups:
@@ -291,7 +324,8 @@ class Tracer:
     @contextmanager
     def server_span(self, headers: Mapping[str, str], *, server: str, route: str) -> Iterator[Span]:
         """A SERVER span continuing the trace of an incoming request's ``traceparent`` (a new trace when
-        absent). The caller sets ``http.response.status_code``; a status >= 500 sets ERROR."""
+        absent). The caller sets ``http.response.status_code``; a status >= 500 sets ERROR (as does an
+        exception leaving the block)."""
         parent = _PROPAGATOR.extract(dict(headers), context=_ROOT)
         with self.otel.start_as_current_span(
             f"POST {route}",
@@ -300,6 +334,10 @@ class Tracer:
             attributes={ATTR_SERVER_NAME: server, "http.route": route, "http.request.method": "POST"},
         ) as span:
             yield span
+            attributes = getattr(span, "attributes", None) or {}
+            code = attributes.get("http.response.status_code")
+            if isinstance(code, int) and code >= 500:
+                span.set_status(Status(StatusCode.ERROR, f"HTTP {code}"))
 
 
 @contextmanager
@@ -309,8 +347,9 @@ def rollout_span(
     """The ROOT span of one rollout (a new trace), current while the block runs, linked to ``links``.
 
     Attributes set at start: ``gym_ray.task_index``, ``rollout_index``, ``attempt_index`` (0 when absent),
-    ``rollout_id`` (when the row has one), ``environment_server``, ``run_id``. The caller finishes it with
-    status / latency / failure class (:meth:`Tracer.trace_rollout` does). The span ends when the block exits.
+    ``rollout_id`` (when the row has one), ``environment_server``, ``run_id`` (the row's, else the one of
+    the enclosing :func:`run_scope`). The caller finishes it with status / latency / failure class
+    (:meth:`Tracer.trace_rollout` does). The span ends when the block exits.
     """
     attrs: dict[str, Any] = {ATTR_ATTEMPT_INDEX: 0}
     for key, attr in (
@@ -323,6 +362,10 @@ def rollout_span(
         value = row.get(key)
         if isinstance(value, int | str) and not isinstance(value, bool):
             attrs[attr] = value
+    if ATTR_RUN_ID not in attrs:
+        run_id = _RUN_ID.get()
+        if run_id is not None:
+            attrs[ATTR_RUN_ID] = run_id
     if server is not None:
         attrs[ATTR_ENVIRONMENT_SERVER] = server
     span = tracer.otel.start_span(
@@ -379,6 +422,20 @@ def job_span(tracer: Tracer | None, *, run_id: str | None = None, **attributes: 
         attrs[ATTR_RUN_ID] = run_id
     with tracer.otel.start_as_current_span(JOB_SPAN, kind=SpanKind.INTERNAL, attributes=attrs) as span:
         yield span
+
+
+@contextmanager
+def run_scope(run_id: str | None) -> Iterator[None]:
+    """Rollout spans started in this block (and in tasks created inside it) carry ``gym_ray.run_id``
+    = ``run_id`` unless their row names its own. None sets nothing. Cheap: one context variable."""
+    if run_id is None:
+        yield
+        return
+    token = _RUN_ID.set(run_id)
+    try:
+        yield
+    finally:
+        _RUN_ID.reset(token)
 
 
 def current_traceparent() -> str | None:
@@ -467,14 +524,22 @@ def setup_tracing_from_config(cfg: Mapping[str, Any]) -> Tracer | None:
     return setup_tracing(TracingSettings.from_config(cfg))
 
 
-def shutdown_tracing(tracer: Tracer | None = None) -> None:
-    """Flush and shut down ``tracer``'s providers, or (None) every cached one, and forget them."""
+def shutdown_tracing(tracer: Tracer | None = None, *, timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S) -> None:
+    """Flush and shut down ``tracer``'s providers, or (None) every cached one, and forget them.
+
+    The call every process that records telemetry makes before it ends (worker, driver, coordinator and
+    stream-worker actors in their ``close()``, the CLI on exit): pending spans of batch processors and
+    the last metric values of periodic readers are exported first, each provider waiting at most
+    ``timeout_s`` (a slow exporter is logged, never raised). Blocking: from async code run it in a
+    thread. Idempotent; a later :func:`setup_tracing` builds fresh providers.
+    """
     if tracer is not None:
         targets = [tracer]
         _cache.forget(tracer)
     else:
         targets = _cache.drain()
     for target in targets:
+        target.flush(timeout_s)
         target.provider.shutdown()
         if target.meter_provider is not None:
-            target.meter_provider.shutdown()
+            target.meter_provider.shutdown(timeout_millis=timeout_s * 1000)

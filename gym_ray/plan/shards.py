@@ -19,6 +19,7 @@ Durability promises (see RELIABILITY.md):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -45,7 +46,22 @@ from gym_ray.record.manifest import ShardManifest
 from gym_ray.record.writer import ShardWriter
 
 RUN_MANIFEST = "run_manifest.json"
+#: Largest automatic shard (rows); also the shard size of a plan cut without a known worker count.
 DEFAULT_SHARD_SIZE = 1000
+#: Smallest automatic shard (rows): below it per-shard file and manifest costs dominate.
+MIN_AUTO_SHARD_SIZE = 16
+#: Shards per worker the automatic size aims for, so the pull-based hand-out can balance the tail.
+SHARDS_PER_WORKER = 4
+
+
+def auto_shard_size(run_rows: int, num_workers: int) -> int:
+    """Rows per shard for a run of ``run_rows`` rows on ``num_workers`` workers (``shard_size`` unset).
+
+    About :data:`SHARDS_PER_WORKER` shards per worker, within [:data:`MIN_AUTO_SHARD_SIZE`,
+    :data:`DEFAULT_SHARD_SIZE`]: 800 rows on 2 workers are 8 shards of 100, so both workers run.
+    """
+    wanted = -(-run_rows // (SHARDS_PER_WORKER * max(1, num_workers)))
+    return max(MIN_AUTO_SHARD_SIZE, min(DEFAULT_SHARD_SIZE, wanted))
 
 
 @dataclass(frozen=True)
@@ -411,9 +427,9 @@ def input_rows(
 ) -> Callable[..., Iterator[dict[str, Any]]]:
     """A re-iterable source of the run's preprocessed rows (the input is read once per call).
 
-    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``. The
-    returned callable takes an optional ``task_numbering`` (see
-    :func:`gym_ray.plan.preprocess.iter_preprocess`).
+    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``, cut to the
+    first ``limit`` rows when ``limit`` is set. The returned callable takes an optional
+    ``task_numbering`` (see :func:`gym_ray.plan.preprocess.iter_preprocess`).
     """
     if rows is None:
         if settings.input_jsonl_fpath is None:
@@ -433,9 +449,15 @@ def input_rows(
         def source() -> Iterable[Mapping[str, Any]]:
             return fixed
 
+    limit = settings.limit or None  # NeMo Gym: 0 or null = every row
+
+    def limited() -> Iterable[Mapping[str, Any]]:
+        # The first ``limit`` input rows, before anything else (NeMo Gym 0.7's ``limit``).
+        return source() if limit is None else itertools.islice(source(), limit)
+
     def preprocessed(task_numbering: TaskNumbering | None = None) -> Iterator[dict[str, Any]]:
         return iter_preprocess(
-            source(),
+            limited(),
             agent_map=settings.agent_map,
             fan_out=settings.fan_out,
             num_repeats=settings.num_repeats,
@@ -454,6 +476,7 @@ def prepare_run(
     run: RunConfig,
     *,
     rows: Iterable[Mapping[str, Any]] | None = None,
+    num_workers: int = 1,
 ) -> RunPlan:
     """Validate every input row against the config, then plan the whole run folder (no dispatch).
 
@@ -463,7 +486,7 @@ def prepare_run(
     """
     root = Path(_output_dir(run.settings))
     resumed = (root / RUN_MANIFEST).exists()
-    specs = tuple(iter_prepare_run(run, rows=rows))
+    specs = tuple(iter_prepare_run(run, rows=rows, num_workers=num_workers))
     manifest = _read_run_manifest(root) or {}
     return RunPlan(
         run_dir=str(root),
@@ -479,6 +502,7 @@ def iter_prepare_run(
     run: RunConfig,
     *,
     rows: Iterable[Mapping[str, Any]] | None = None,
+    num_workers: int = 1,
 ) -> Generator[ShardSpec, None, None]:
     """Validate every input row, then plan the run folder lazily: yield each shard once it is committed.
 
@@ -492,6 +516,9 @@ def iter_prepare_run(
     identical rows from that (:mod:`gym_ray.plan._spill_dedupe`). With ``task_ids`` or
     ``interleave_repeats`` both passes number tasks in memory instead.
 
+    Shard size: ``shard_size`` when set, else the size recorded by the folder's earlier plan (a resume
+    cuts the same shards), else :func:`auto_shard_size` of the counted rows and ``num_workers``.
+
     Raises:
         UsageError: No ``output_dir`` or no input.
         RoutingError / ValidationError: From the validation pass (before anything is written).
@@ -500,6 +527,12 @@ def iter_prepare_run(
     """
     settings, topology = run.settings, run.topology
     output_dir = _output_dir(settings)
+    if settings.resume_from_cache is False and (Path(output_dir) / RUN_MANIFEST).exists():
+        raise ResumeError(
+            f"run folder {output_dir} already holds a run and resume_from_cache is false; gym_ray never "
+            "deletes results: pass +resume_from_cache=true to resume it, or move the folder (and the "
+            "output files) aside for a fresh run"
+        )
     source = input_rows(settings, topology, rows)
     counted = 0
 
@@ -515,7 +548,7 @@ def iter_prepare_run(
             rows,
             output_dir,
             config_identity=topology.identity_digest(),
-            shard_size=settings.shard_size,
+            shard_size=_planned_shard_size(settings, output_dir, counted, num_workers),
             max_rollout_attempts=settings.max_rollout_attempts,
             run_rows=counted,
         )
@@ -536,6 +569,16 @@ def iter_prepare_run(
             raise
         replay = dedupe.replay()
         yield from plan(_checked(source(replay), replay))
+
+
+def _planned_shard_size(settings: RunSettings, output_dir: str, run_rows: int, num_workers: int) -> int:
+    """``shard_size`` when set; else the size a resumed folder was cut with; else :func:`auto_shard_size`."""
+    if settings.shard_size is not None:
+        return settings.shard_size
+    recorded = (_read_run_manifest(Path(output_dir)) or {}).get("shard_size")
+    if isinstance(recorded, int) and recorded >= 1:
+        return recorded
+    return auto_shard_size(run_rows, num_workers)
 
 
 def _checked(rows: Iterator[dict[str, Any]], replay: DedupeReplay) -> Iterator[dict[str, Any]]:

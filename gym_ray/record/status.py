@@ -2,8 +2,11 @@
 
 ``run_status`` reads a run folder without taking any lock or writing anything: each shard's files are
 the truth (successes, failure attempts by class, omitted rows), ``plan_resume`` says what a resume would
-run, and the ``.manifest.json`` / ``.progress.json`` timestamps give an approximate rate and ETA. A shard
-being written while it is read is counted as it stands (a torn last line is skipped, never an error).
+run, and the ``.manifest.json`` / ``.progress.json`` files give the rate and ETA: each running shard rewrites
+its progress file every few seconds (``PROGRESS_FILE_INTERVAL_S`` of :mod:`gym_ray.run.collect`), so the
+attempts counted in the progress files and their timestamps describe the same moments, for finished and
+running shards alike. A shard being written while it is read is counted as it stands (a torn last line is
+skipped, never an error).
 
 Cost: every shard file is read once or twice (the counts and the resume plan), streaming; memory grows
 with the identities of one shard, not with the run.
@@ -25,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gym_ray import keys
 from gym_ray.errors import InputError, ResumeError, UsageError
+from gym_ray.observe.rate import RateMeter
 from gym_ray.plan.resume import plan_resume
 from gym_ray.record.aggregate import (
     AGGREGATE_FILE_NAME,
@@ -47,7 +51,8 @@ class ShardStatus(BaseModel):
     distinct identities with a success line. ``failed_attempts`` / ``failed_by_class``: failure lines
     (omitted rows excluded). ``terminal`` / ``maxed_out`` / ``pending`` / ``retrying``: from the resume
     plan (None when the shard cannot be planned; ``resume_error`` says why). ``created_at``: the
-    manifest's; ``updated_at``: the progress file's (epoch seconds).
+    manifest's; ``updated_at``: the progress file's (epoch seconds); ``progress_attempts``: the success and
+    failure lines the progress file counted at ``updated_at`` (None without a progress file).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -66,15 +71,18 @@ class ShardStatus(BaseModel):
     created_at: float | None
     updated_at: float | None
     resume_error: str | None = None
+    progress_attempts: int | None = None
 
 
 class RunStatus(BaseModel):
     """A run folder's status: per-shard counts, totals, what resume would run, rate and ETA.
 
     Totals sum the shards (``pending`` and friends over the shards that could be planned).
-    ``rate_per_s`` is settled rollouts (planned minus pending) per second between the earliest manifest
-    and the latest progress update; ``eta_s`` is ``pending / rate_per_s``. Both are None without
-    timestamps or progress; they are approximate (a resumed run includes the pause in its elapsed time).
+    ``rate_per_s`` is rollout attempts recorded per second (a :class:`~gym_ray.observe.rate.RateMeter`):
+    the attempts the shards' progress files counted, between the earliest manifest and the latest
+    progress update (a live run's running shards rewrite theirs every few seconds, so the counts and the
+    end time match); ``eta_s`` is ``pending / rate_per_s``. Both are None without timestamps or
+    progress; a resumed run includes the pause in its elapsed time.
     ``aggregate_servers`` is None when no metrics file exists; ``aggregate_failed`` names the servers
     whose entry holds an ``aggregation_error``.
     """
@@ -107,12 +115,27 @@ class RunStatus(BaseModel):
         return self.pending == 0 and all(s.resume_error is None for s in self.shards)
 
 
-def _read_timestamp(path: Path, field: str) -> float | None:
+def _read_number(path: Path, field: str) -> float | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8")).get(field)
     except (OSError, ValueError, AttributeError):
         return None
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _read_progress(path: Path) -> tuple[float | None, int | None]:
+    """``(updated_at, attempts)`` of a progress file, read at once (None for what is absent)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    stamp, attempts = data.get("updated_at"), data.get("attempts")
+    return (
+        float(stamp) if isinstance(stamp, int | float) and not isinstance(stamp, bool) else None,
+        attempts if type(attempts) is int and attempts >= 0 else None,
+    )
 
 
 def _read_max_attempts(path: Path) -> int:
@@ -142,6 +165,7 @@ def _shard_status(run_dir: Path, shard: str) -> ShardStatus:
             omitted += 1
         else:
             by_class[str(record.get(keys.FAILURE_CLASS))] += 1
+    updated_at, progress_attempts = _read_progress(paths.progress)
     planned: int | None = None
     if paths.materialized_inputs.exists():
         planned = sum(1 for _ in JsonlReader(paths.materialized_inputs))
@@ -166,8 +190,9 @@ def _shard_status(run_dir: Path, shard: str) -> ShardStatus:
         failed_by_class=dict(sorted(by_class.items())),
         omitted=omitted,
         corrupt_lines=len(successes.corrupt_lines) + len(failures.corrupt_lines),
-        created_at=_read_timestamp(paths.manifest, "created_at"),
-        updated_at=_read_timestamp(paths.progress, "updated_at"),
+        created_at=_read_number(paths.manifest, "created_at"),
+        updated_at=updated_at,
+        progress_attempts=progress_attempts,
         resume_error=resume_error,
         **plan_fields,
     )
@@ -224,12 +249,15 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
     updated = [s.updated_at for s in shards if s.updated_at is not None]
     started_at = min(created) if created else None
     updated_at = max(updated) if updated else None
-    planned_ok = sum(s.planned or 0 for s in shards if s.pending is not None)
     pending = total("pending")
-    settled = planned_ok - pending
-    rate = None
-    if started_at is not None and updated_at is not None and updated_at > started_at and settled > 0:
-        rate = settled / (updated_at - started_at)
+    rate = eta = None
+    attempts = sum(s.progress_attempts or 0 for s in shards)
+    if started_at is not None and updated_at is not None and updated_at > started_at and attempts > 0:
+        meter = RateMeter(window_s=updated_at - started_at, clock=time.time)
+        meter.observe(0, at=started_at)
+        meter.observe(attempts, at=updated_at)
+        rate = meter.rate_per_s(now=updated_at)
+        eta = meter.eta_s(pending, now=updated_at)
     aggregate_servers, aggregate_failed = _aggregate_summary(folder)
     return RunStatus(
         run_dir=str(folder),
@@ -247,7 +275,7 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
         started_at=started_at,
         updated_at=updated_at,
         rate_per_s=rate,
-        eta_s=pending / rate if rate is not None else None,
+        eta_s=eta,
         merged=(folder / "rollouts.jsonl").exists(),
         aggregate_servers=aggregate_servers,
         aggregate_failed=aggregate_failed,
@@ -311,7 +339,7 @@ def format_status(status: RunStatus) -> str:
     )
     if status.rate_per_s is not None:
         eta = f"; ETA {_duration(status.eta_s)}" if status.eta_s else ""
-        out.append(f"rate: {status.rate_per_s:.2f} rollouts/s{eta}")
+        out.append(f"rate: {status.rate_per_s:.2f} attempts/s{eta}")
     if status.updated_at is not None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(status.updated_at))
         out.append(f"last update: {stamp} UTC")

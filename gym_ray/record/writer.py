@@ -11,11 +11,18 @@ Files of shard ``<s>`` in ``<run_dir>``::
 
 Durability and concurrency promises:
 
-- **One owner.** :meth:`ShardWriter.open` takes an exclusive ``flock`` on the lock file, writes a fresh
-  random token into it (fsynced) and repairs torn tails, then releases the lock. Every later write takes
-  the lock again and first checks that the token is still its own; a writer whose shard was opened by
-  another writer since gets :class:`~gym_ray.errors.ShardLockError` and writes nothing. So a zombie
-  writer can never interleave lines with the shard's new owner, in this process or another.
+- **The last opener holds the shard.** :meth:`ShardWriter.open` takes an exclusive ``flock`` on the lock
+  file, writes a fresh random token into it (in place, fsynced; the file is never unlinked or replaced)
+  and repairs torn tails, then releases the lock. Opening never waits for or refuses an older writer: it
+  takes the shard over. Every later write (append, progress, materialized inputs, manifest, and the
+  fsync of :meth:`~ShardWriter.checkpoint` / :meth:`~ShardWriter.close`) takes the lock again and first
+  checks that the token is still its own; a writer whose shard was opened by another writer since gets
+  :class:`~gym_ray.errors.ShardLockError` (naming the shard and the new holder's pid and host) and writes
+  nothing, then and on every later write (it is *stale*; :meth:`~ShardWriter.close` of a stale writer
+  only closes its files). So a zombie writer (a worker frozen or partitioned while its shard was handed
+  to another) can never interleave lines with the shard's new holder, in this process or another. The
+  new holder fsyncs both record files at its first checkpoint, so lines an older writer left unsynced
+  become durable too.
 - **Whole lines.** Each record is one ``os.write`` of a complete line to an ``O_APPEND`` descriptor, under
   the lock (a short write is continued; a failed one fails the shard). A line written is in the page
   cache and survives a ``kill -9`` of any process.
@@ -116,6 +123,8 @@ class ShardWriter:
         self._lock = ShardLock(self.paths.lock)
         self._state = "new"
         self._failure: str | None = None
+        self._stale_error: ShardLockError | None = None
+        self._wrote = False  # any write of this writer's own since open (not only inherited unsynced lines)
         self._token = b""
         self._fds: dict[Path, int] = {}
         self._dirty: set[Path] = set()
@@ -154,6 +163,7 @@ class ShardWriter:
                     self._fds[path] = os.open(
                         path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
                     )
+                    self._dirty.add(path)  # an older writer's unsynced lines: ours to make durable now
                 fsync_dir(self.paths.run_dir)
                 self._seed_counts()
         except OSError as exc:
@@ -172,20 +182,30 @@ class ShardWriter:
         self.close()
 
     def close(self) -> None:
-        """Fsync what is unsynced (unless the shard failed), close every file. Idempotent.
+        """Fsync what is unsynced (unless the shard failed or was taken over), close every file. Idempotent.
 
         Raises:
+            ShardLockError: Another writer opened the shard since and this writer had written to it; its
+                unsynced writes are not fsynced by this writer (the new holder does), the files are closed
+                anyway. A writer taken over before it wrote anything closes quietly.
             ShardIOError: The final fsync failed (files are closed anyway and the shard is failed).
         """
         if self._state in ("new", "closed"):
             self._state = "closed"
             return
         try:
-            if self._state == "open":
+            if self._state == "open" and self._dirty:
+                try:
+                    with self._owned("fsync"):
+                        pass
+                except ShardLockError:
+                    if self._wrote:
+                        raise
+                    return  # taken over before it wrote anything: nothing of its own to sync or lose
                 self._sync()
         finally:
             self._close_fds()
-            if self._state == "open":
+            if self._state in ("open", "stale"):
                 self._state = "closed"
 
     # --- writes ---------------------------------------------------------------------------------
@@ -229,9 +249,12 @@ class ShardWriter:
 
         Raises:
             UsageError: The writer is not open.
+            ShardLockError: Another writer opened the shard since this one did; nothing was synced.
             ShardIOError: The fsync failed, now or earlier; the shard is failed.
         """
         self._require_open()
+        with self._owned("fsync"):
+            pass
         self._sync()
 
     def write_materialized_inputs(self, rows: Iterable[dict[str, Any]]) -> str:
@@ -320,6 +343,13 @@ class ShardWriter:
         return json.dumps(info, separators=(",", ":")).encode() + b"\n"
 
     def _require_open(self) -> None:
+        if self._state == "stale" and self._stale_error is not None:
+            raise ShardLockError(
+                str(self._stale_error),
+                shard=self.shard,
+                holder_pid=self._stale_error.holder_pid,
+                holder_host=self._stale_error.holder_host,
+            )
         if self._state == "failed":
             raise ShardIOError(
                 f"shard {self.shard!r} is failed ({self._failure}); it takes no more writes. Fix the cause "
@@ -330,23 +360,31 @@ class ShardWriter:
 
     @contextlib.contextmanager
     def _owned(self, action: str) -> Iterator[None]:
+        """Hold the lock for one write, after checking the lock file still holds this writer's token."""
         with self._lock.held():
             current = self._lock.read_token(len(self._token) + 1)
             if current != self._token:
-                raise ShardLockError(
-                    f"shard {self.shard!r} was opened by another writer since this writer opened it; this "
-                    f"writer can no longer {action} it (a newer worker owns it{self._owner_hint(current)}). "
-                    "Stop this writer; the owner resumes the shard"
-                )
+                raise self._stale(action, current)
+            if action != "fsync":
+                self._wrote = True
             yield
 
-    @staticmethod
-    def _owner_hint(current: bytes) -> str:
-        with contextlib.suppress(ValueError):
-            info = json.loads(current)
-            if isinstance(info, dict):
-                return f": pid {info.get('pid')} on {info.get('host')}"
-        return ""
+    def _stale(self, action: str, current: bytes) -> ShardLockError:
+        """Mark this writer stale (no more writes, no fsync) and build the error naming the new holder."""
+        pid, host = _holder_of(current)
+        where = f"pid {pid} on {host}" if pid is not None or host is not None else "its token is unreadable"
+        error = ShardLockError(
+            f"shard {self.shard!r} was opened by another writer since this writer opened it; this "
+            f"writer can no longer {action} it (a newer worker owns it: {where}) and wrote nothing. "
+            f"Stop this writer; the holder resumes the shard in {self.paths.run_dir}",
+            shard=self.shard,
+            holder_pid=pid,
+            holder_host=host,
+        )
+        self._state = "stale"
+        self._stale_error = error
+        self._dirty.clear()
+        return error
 
     def _encode(self, record: dict[str, Any], *, what: str | None = None) -> bytes:
         try:
@@ -441,3 +479,15 @@ class ShardWriter:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._lock.close()
+
+
+def _holder_of(token: bytes) -> tuple[int | None, str | None]:
+    """The ``(pid, host)`` a lock file's token names, None where it cannot be read."""
+    try:
+        info = json.loads(token)
+    except ValueError:
+        return None, None
+    if not isinstance(info, dict):
+        return None, None
+    pid, host = info.get("pid"), info.get("host")
+    return (pid if type(pid) is int else None), (host if isinstance(host, str) else None)

@@ -31,9 +31,9 @@ from gym_ray.dispatch import latency
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.engine import dispatch
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
-from gym_ray.errors import NoProgressError
+from gym_ray.errors import NoProgressError, RunRejectedError
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
-from gym_ray.observe.tracing import job_span, setup_tracing
+from gym_ray.observe.tracing import job_span, run_scope, setup_tracing
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.shards import (
     DEFAULT_SHARD_SIZE,
@@ -52,6 +52,7 @@ from gym_ray.record.aggregate import (
 )
 from gym_ray.record.atomic import atomic_write_bytes
 from gym_ray.record.merge import merge_shards
+from gym_ray.record.nemo_layout import publish_nemo_gym_layout
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error
 
@@ -74,6 +75,9 @@ __all__ = [
 ]
 
 SUMMARY_FILE = "rollouts_summary.json"
+#: Seconds between two writes of a running shard's progress file (``gym-ray status`` reads its counts
+#: and timestamp, so a live run's rate is measured on counts that match their time).
+PROGRESS_FILE_INTERVAL_S = 5.0
 
 OutcomeHook = Callable[[dict[str, Any], dict[str, Any]], None]
 
@@ -191,6 +195,7 @@ async def run_shard(
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(loop.time() + stall_s) as watchdog:
+                progress_due = loop.time() + PROGRESS_FILE_INTERVAL_S
                 async for row, outcome in completions:
                     watchdog.reschedule(loop.time() + stall_s)
                     record = record_of(row, outcome)
@@ -207,6 +212,9 @@ async def run_shard(
                         succeeded += 1
                     if on_outcome is not None:
                         on_outcome(row, record)
+                    if loop.time() >= progress_due:
+                        writer.write_progress()
+                        progress_due = loop.time() + PROGRESS_FILE_INTERVAL_S
         except TimeoutError as exc:
             stats = completions.stats()
             raise NoProgressError(
@@ -277,14 +285,15 @@ async def run_shards(
     async def lane() -> None:
         while (spec := await next_spec()) is not None:
             try:
-                report = await run_one(
-                    spec,
-                    client=client,
-                    run=run,
-                    semaphore=semaphore,
-                    on_outcome=on_outcome,
-                    worker=worker,
-                )
+                with run_scope(spec.run_id):  # rollout spans carry the run id
+                    report = await run_one(
+                        spec,
+                        client=client,
+                        run=run,
+                        semaphore=semaphore,
+                        on_outcome=on_outcome,
+                        worker=worker,
+                    )
             except Exception as exc:
                 if on_error is None:
                     raise
@@ -334,6 +343,12 @@ async def finalize_run(
 ) -> RunResult:
     """Merge the shards, check completion, aggregate once per environment server, write the summary.
 
+    With ``disable_aggregation`` no ``/aggregate_metrics`` call is made and no metrics file is written.
+    With ``output_jsonl_fpath`` the merged files are published under NeMo Gym's names
+    (:mod:`gym_ray.record.nemo_layout`) and the result's paths point there. With ``require_complete`` a
+    run that has fewer successes than planned rollouts raises :class:`~gym_ray.errors.RunRejectedError`
+    after every file is written (NeMo Gym's ``EVAL FAILED``).
+
     A strict run with unfinished work is rejected before aggregation (no score is published). When an
     ``/aggregate_metrics`` call fails, the metrics file keeps an entry with ``aggregation_error``, the
     summary is written, and then one :class:`~gym_ray.errors.AggregationError` names every failed server.
@@ -355,7 +370,11 @@ async def finalize_run(
             made_progress=any(r.succeeded or r.failed for r in reports),
             strict=True,
         )
-    metrics_path = await aggregate_run(root, run.topology, client, raise_on_error=False)
+    metrics_path = (
+        None
+        if settings.disable_aggregation
+        else await aggregate_run(root, run.topology, client, raise_on_error=False)
+    )
     entries = read_metrics_summary(metrics_path) if metrics_path else []
     key_metrics = {e["_ng_environment_server"]: e.get("key_metrics", {}) for e in entries}
     errors = {
@@ -367,11 +386,23 @@ async def finalize_run(
     dispatched = sum(r.dispatched for r in reports)
     latencies = latency.merge(r.latency_histogram for r in reports)
     timed = sum(latencies)
+    rollouts_path, failures_path = Path(merged.successes_path), Path(merged.failures_path)
+    if settings.output_jsonl_fpath is not None:
+        published = await asyncio.to_thread(
+            publish_nemo_gym_layout,
+            root,
+            settings.output_jsonl_fpath,
+            rollouts=rollouts_path,
+            failures=failures_path,
+            metrics=metrics_path,
+        )
+        rollouts_path, failures_path = published.rollouts, published.failures
+        metrics_path = published.aggregate_metrics if metrics_path is not None else None
     result = RunResult(
         run_dir=str(root),
         run_id=plan.run_id,
-        rollouts_path=str(merged.successes_path),
-        failures_path=str(merged.failures_path),
+        rollouts_path=str(rollouts_path),
+        failures_path=str(failures_path),
         metrics_path=str(metrics_path) if metrics_path else None,
         summary_path=str(root / SUMMARY_FILE),
         planned=plan.planned,
@@ -395,6 +426,12 @@ async def finalize_run(
     atomic_write_bytes(root / SUMMARY_FILE, (result.model_dump_json(indent=2) + "\n").encode())
     if metrics_path is not None:
         raise_for_aggregation_errors(metrics_path)
+    if settings.require_complete and merged.successes < plan.planned:
+        # NeMo Gym 0.7's check_completion: after every file is written, successes only count.
+        raise RunRejectedError(
+            f"EVAL FAILED: {merged.successes}/{plan.planned} samples completed (require_complete=true). "
+            f"Partial artifacts retained at {rollouts_path}; rerun on the same output to resume"
+        )
     return result
 
 
@@ -435,22 +472,26 @@ async def acollect_local(
     if display.enabled:
         display.total = await asyncio.to_thread(_pending_count, plan, run.settings)
     tracer = setup_tracing(run.tracing)
-    with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
-        async with client_for(run) as client:
-            with display:
-                reports = await run_shards(
-                    next_spec,
-                    client=client,
+    try:
+        with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
+            async with client_for(run) as client:
+                with display:
+                    reports = await run_shards(
+                        next_spec,
+                        client=client,
+                        run=run,
+                        on_outcome=ProgressCounter(display) if display.enabled else None,
+                    )
+                return await finalize_run(
+                    plan,
+                    reports,
                     run=run,
-                    on_outcome=ProgressCounter(display) if display.enabled else None,
+                    client=client,
+                    wall_s=time.monotonic() - started,
                 )
-            return await finalize_run(
-                plan,
-                reports,
-                run=run,
-                client=client,
-                wall_s=time.monotonic() - started,
-            )
+    finally:
+        if tracer is not None:  # every span of the run is exported when it returns or raises
+            await asyncio.to_thread(tracer.flush)
 
 
 def _pending_count(plan: RunPlan, settings: RunSettings) -> int:

@@ -69,6 +69,8 @@ Item = tuple[Row, Outcome]
 PULL_WAIT_S = 0.25
 #: Rows per ``submit`` call at most.
 SUBMIT_BATCH = 64
+#: Seconds the workers get to ``close()`` (end their runs, flush telemetry) before they are killed.
+CLOSE_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -280,11 +282,9 @@ class RolloutStream:
 
         self._topology = (await resolve_run_config(self._config)).topology
         if not ray.is_initialized():
-            if self._address is None and not os.environ.get("RAY_ADDRESS"):
-                init = functools.partial(ray.init, num_cpus=os.cpu_count() or 1, include_dashboard=False)
-            else:
-                init = functools.partial(ray.init, address=self._address)
-            await asyncio.to_thread(init)
+            from gym_ray.distributed.placement import ray_init_kwargs
+
+            await asyncio.to_thread(functools.partial(ray.init, **ray_init_kwargs(self._address)))
             self._owns_ray = True
         done: set[tuple[int, int]] = set()
         if self._resume and self._record_dir is not None:
@@ -373,7 +373,12 @@ class RolloutStream:
         drained: list[Item | list[Item]] = []
         live = [slot for slot in self._slots if slot.handle is not None]
         try:
-            closing = [slot.handle.close.remote(drain) for slot in live]
+            # Bounded: a worker that does not close in time is killed below (the backstop).
+            closing = [asyncio.ensure_future(slot.handle.close.remote(drain)) for slot in live]
+            if closing:
+                _, late = await asyncio.wait(closing, timeout=CLOSE_GRACE_S)
+                for call in late:
+                    call.cancel()
             results = await asyncio.gather(*closing, return_exceptions=True)
             if drain:
                 drained = list(self._ready)

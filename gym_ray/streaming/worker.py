@@ -227,16 +227,20 @@ class StreamWorker:
         return len(self._outbox)
 
     async def close(self, drain: bool) -> list[tuple[int, Outcome]]:
-        """Stop admission, cancel in-flight rows, wait for ``run()``; return unpulled outcomes if ``drain``.
+        """Stop admission, cancel in-flight rows, wait for ``run()``, flush and shut down this process's
+        telemetry (:func:`~gym_ray.observe.tracing.shutdown_tracing`); return unpulled outcomes if ``drain``.
 
         Idempotent; a second drain returns what is left (nothing, once handed out).
         """
+        from gym_ray.observe.tracing import shutdown_tracing
+
         self._stop.set()
         self._notify()
         for segment in list(self._segments):
             segment.cancel()
         if self._started:
             await self._ended.wait()
+        await asyncio.to_thread(shutdown_tracing)
         if not drain:
             return []
         items = list(self._outbox)

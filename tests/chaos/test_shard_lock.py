@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -20,27 +21,36 @@ from gym_ray.errors import ShardLockError
 
 run_dir, shard, name = sys.argv[1:4]
 writer = ShardWriter(run_dir, shard, run_id=name, config_identity=None)
+period = 0  # how many times this process opened the shard: each open is a new writer, a new token
 for command in sys.stdin:
     verb, _, arg = command.strip().partition(" ")
     try:
         if verb == "open":
+            if period > 0:
+                writer = ShardWriter(run_dir, shard, run_id=name, config_identity=None)
             writer.open()
+            period += 1
             answer = "ok"
         elif verb == "append":
-            writer.append({"_ng_task_index": int(arg), "_ng_rollout_index": 0, "writer": name})
+            writer.append(
+                {"_ng_task_index": int(arg), "_ng_rollout_index": 0, "writer": name, "period": period}
+            )
             answer = "ok"
         elif verb == "spam":
             # Append as fast as possible until another writer takes the shard (or 20 s pass).
             count, deadline = 0, time.monotonic() + 20
             try:
                 while time.monotonic() < deadline:
-                    writer.append({"_ng_task_index": 1000 + count, "_ng_rollout_index": 0, "writer": name})
+                    writer.append(
+                        {"_ng_task_index": 1000 + count, "_ng_rollout_index": 0, "writer": name,
+                         "period": period, "seq": count}
+                    )
                     count += 1
                     if count == 50:
                         print("started", flush=True)
                 answer = f"timeout {count}"
-            except ShardLockError:
-                answer = f"stopped {count}"
+            except ShardLockError as exc:
+                answer = f"stopped {count} {exc.holder_pid}"
         elif verb == "close":
             writer.close()
             answer = "ok"
@@ -151,6 +161,7 @@ def test_takeover_during_a_write_storm_never_interleaves(tmp_path: Path) -> None
         outcome = read_line(a)
         assert outcome.startswith("stopped ")
         written_by_a = int(outcome.split()[1])
+        assert outcome.split()[2] == str(b.pid)
         assert [ask(b, f"append {i}") for i in range(5)] == ["ok"] * 5
         assert ask(a, "close") == "ok"
         assert ask(b, "close") == "ok"
@@ -190,3 +201,47 @@ def test_lock_holds_never_overlap_and_the_lock_file_is_never_replaced(tmp_path: 
     assert overlaps == 0
     assert len(holders) == procs
     assert os.path.exists(paths.lock)
+
+
+def _start_spam(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("spam\n")
+    proc.stdin.flush()
+    assert read_line(proc) == "started"
+
+
+def test_every_line_belongs_to_exactly_one_writers_token_period(tmp_path: Path) -> None:
+    """Three processes take the shard from each other mid-storm, then the first one takes it back."""
+    paths = shard_paths(tmp_path, "s0")
+    with (
+        spawn(WRITER, str(tmp_path), "s0", "A") as a,
+        spawn(WRITER, str(tmp_path), "s0", "B") as b,
+        spawn(WRITER, str(tmp_path), "s0", "C") as c,
+    ):
+        stopped: list[tuple[str, int, int, str]] = []  # (writer, period, lines written, holder pid named)
+        sequence = [(a, "A", 1), (b, "B", 1), (c, "C", 1)]
+        assert ask(a, "open") == "ok"
+        _start_spam(a)
+        for (older, name, period), (newer, _, _) in itertools.pairwise(sequence):
+            assert ask(newer, "open") == "ok"
+            verb, count, holder = read_line(older).split()
+            assert (verb, holder) == ("stopped", str(newer.pid))
+            stopped.append((name, period, int(count), holder))
+            _start_spam(newer)
+        assert ask(a, "open") == "ok"  # a new writer in process A: period 2
+        verb, count, holder = read_line(c).split()
+        assert (verb, holder) == ("stopped", str(a.pid))
+        stopped.append(("C", 1, int(count), holder))
+        assert [ask(a, f"append {i}") for i in range(5)] == ["ok"] * 5
+        for proc in (a, b, c):
+            assert ask(proc, "close") == "ok"
+        token = json.loads(paths.lock.read_bytes())
+        assert (token["pid"], token["run_id"]) == (a.pid, "A")
+    records = [json.loads(line) for line in paths.successes.read_bytes().splitlines()]
+    # The file is the token periods one after the other: each period's lines, contiguous and complete.
+    periods = [(r["writer"], r["period"]) for r in records]
+    expected = [(name, period) for name, period, count, _ in stopped for _ in range(count)] + [("A", 2)] * 5
+    assert periods == expected
+    for name, period, count, _ in stopped:
+        seqs = [r["seq"] for r in records if (r["writer"], r["period"]) == (name, period)]
+        assert seqs == list(range(count))

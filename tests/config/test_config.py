@@ -197,8 +197,8 @@ FORMS = "write key=value (change), +key=value (add) or ++key=value (add or chang
         pytest.param(
             "+task_ids=[1, 2",
             "task_ids",
-            "override '+task_ids=[1, 2' has a value that is not valid YAML (did not find expected ',' or "
-            "']'); quote it, e.g. +task_ids='...'",
+            "override '+task_ids=[1, 2' has a value that does not parse (expected ']' at column 6, found "
+            "the end); write e.g. +task_ids={a:1,b:2} or +task_ids=[x,y], quoting values that hold , ] or }",
             id="bad-yaml-value",
         ),
     ],
@@ -370,6 +370,17 @@ def test_run_settings_defaults() -> None:
         "strict": False,
         "no_progress_timeout_s": 600.0,
         "seed": None,
+        "output_jsonl_fpath": None,
+        "agent_name": None,
+        "limit": None,
+        "num_samples_in_parallel": None,
+        "max_resident_rollout_tasks": None,
+        "disable_aggregation": False,
+        "require_complete": False,
+        "resume_from_cache": None,
+        "retain_results_in_memory": True,
+        "upload_rollouts": True,
+        "disable_health_check": True,
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 from gym_ray import keys
 from gym_ray.dispatch.helper import RolloutCollectionHelper
 from gym_ray.dispatch.outcomes import RolloutFailureRecord
-from gym_ray.errors import InputError, ServerHTTPError, ShardLockError, UsageError
+from gym_ray.errors import InputError, ResumeError, ServerHTTPError, ShardLockError, UsageError
 from gym_ray.plan.resume import plan_resume
 from gym_ray.record.manifest import ShardManifest, ShardProgress
 from gym_ray.record.status import run_status
@@ -231,15 +232,20 @@ def test_bad_recording_arguments_are_refused_at_call(
         helper.run_examples(_rows(1), **kwargs)
 
 
-def test_rows_without_identity_and_a_recorded_shard_are_refused(tmp_path: Path) -> None:
+def test_rows_without_identity_and_a_shard_without_inputs_are_refused(tmp_path: Path) -> None:
     helper = RolloutCollectionHelper(_config())
     row = _rows(1)[0]
     del row[keys.ROLLOUT_INDEX]
     with pytest.raises(InputError, match="row 0 has _ng_task_index=0 and _ng_rollout_index=None"):
         helper.run_examples([row], record_output_dir=tmp_path, record_shard=SHARD)
     (tmp_path / f"rollouts-{SHARD}.jsonl").write_text("{}\n", encoding="utf-8")
-    with pytest.raises(UsageError, match="already holds that shard"):
+    with pytest.raises(ResumeError) as info:
         helper.run_examples(_rows(1), record_output_dir=tmp_path, record_shard=SHARD)
+    assert str(info.value) == (
+        f"record_shard='{SHARD}': {tmp_path} holds records of that shard but not its materialized inputs "
+        f"(rollouts-{SHARD}_materialized_inputs.jsonl), so it cannot be resumed; restore that file, or "
+        "record into a new shard label or folder"
+    )
 
 
 async def test_a_newer_writer_makes_the_helper_fail_on_its_next_append(
@@ -259,3 +265,142 @@ async def test_a_newer_writer_makes_the_helper_fail_on_its_next_append(
         finally:
             await completions.aclose()
     assert [_key(r) for r in _lines(tmp_path / f"rollouts-{SHARD}.jsonl")] == [_key(first_row)]
+
+
+# --- recording a shard that already holds records: resume, refusal, takeover -----------------------
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+async def _collect(completions: Any) -> list[tuple[dict[str, Any], Any]]:
+    try:
+        return [item async for item in completions]
+    finally:
+        await completions.aclose()
+
+
+async def test_the_same_rows_again_resume_the_shard(deployment: Deployment, tmp_path: Path) -> None:
+    rows = _rows(3, fault_task=1)
+    rows[1]["fault_until_attempt"] = 1  # attempt 0 answers 500, attempt 1 succeeds
+    async with RolloutCollectionHelper(deployment.config) as helper:
+        first = dict(
+            (_key(row), outcome)
+            for row, outcome in await _collect(
+                helper.run_outcomes(rows, record_output_dir=tmp_path, record_shard=SHARD)
+            )
+        )
+        assert isinstance(first[(1, 0)], RolloutFailureRecord)
+        manifest = ShardManifest.model_validate_json(
+            (tmp_path / f"rollouts-{SHARD}.manifest.json").read_bytes()
+        )
+        second = await _collect(helper.run_outcomes(rows, record_output_dir=tmp_path, record_shard=SHARD))
+    # only the missing rollout ran again, with its next attempt, under the shard's own run id
+    ((row, outcome),) = second
+    assert (_key(row), row[keys.ATTEMPT_INDEX], row[keys.RUN_ID]) == ((1, 0), 1, manifest.run_id)
+    assert isinstance(outcome, dict)
+    assert (outcome["reward"], outcome[keys.ROLLOUT_ID]) == (1.0, f"{manifest.run_id}-1-0")
+    assert deployment.stats("calc_env").request_counts == {(0, 0): 1, (1, 0): 2, (2, 0): 1}
+    successes = _lines(tmp_path / f"rollouts-{SHARD}.jsonl")
+    assert sorted(_key(r) for r in successes) == [(0, 0), (1, 0), (2, 0)]
+    assert {r[keys.RUN_ID] for r in successes} == {manifest.run_id}
+    resumed = ShardManifest.model_validate_json((tmp_path / f"rollouts-{SHARD}.manifest.json").read_bytes())
+    assert (resumed.run_id, resumed.inputs_digest, resumed.config_identity) == (
+        manifest.run_id,
+        manifest.inputs_digest,
+        manifest.config_identity,
+    )
+    assert resumed.attempt_plan == ((0, 0, 0), (1, 0, 1), (2, 0, 0))
+    progress = ShardProgress.model_validate_json((tmp_path / f"rollouts-{SHARD}.progress.json").read_bytes())
+    assert (progress.planned, progress.succeeded, progress.failed, progress.attempts) == (
+        3,
+        3,
+        {"agent_run_error": 1},
+        4,
+    )
+    assert plan_resume(tmp_path, SHARD, config_identity=manifest.config_identity).pending_count == 0
+
+
+async def test_a_complete_shard_resumed_runs_nothing(deployment: Deployment, tmp_path: Path) -> None:
+    async with RolloutCollectionHelper(deployment.config) as helper:
+        await _collect(helper.run_examples(_rows(2), record_output_dir=tmp_path, record_shard=SHARD))
+        before = (tmp_path / f"rollouts-{SHARD}.jsonl").read_bytes()
+        again = await _collect(helper.run_examples(_rows(2), record_output_dir=tmp_path, record_shard=SHARD))
+    assert again == []
+    assert deployment.stats("calc_env").request_counts == {(0, 0): 1, (1, 0): 1}
+    assert (tmp_path / f"rollouts-{SHARD}.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        pytest.param(lambda rows: rows[:2], "it holds 3 rows, this call gave 2", id="fewer-rows"),
+        pytest.param(
+            lambda rows: [rows[0], {**rows[1], "expected_answer": "7"}, rows[2]],
+            "row 1 differs in expected_answer",
+            id="other-content",
+        ),
+        pytest.param(
+            lambda rows: [rows[1], rows[0], rows[2]],
+            f"row 0 differs in {keys.ROLLOUT_ID}, {keys.TASK_INDEX}, expected_answer, "
+            "responses_create_params",
+            id="other-order",
+        ),
+    ],
+)
+async def test_other_rows_are_refused_as_other_materialized_inputs(
+    deployment: Deployment, tmp_path: Path, change: Any, problem: str
+) -> None:
+    rows = _rows(3)
+    async with RolloutCollectionHelper(deployment.config) as helper:
+        await _collect(helper.run_examples(rows, record_output_dir=tmp_path, record_shard=SHARD))
+        files = _files(tmp_path)
+        with pytest.raises(ResumeError) as info:
+            helper.run_examples(change(rows), record_output_dir=tmp_path, record_shard=SHARD)
+    assert str(info.value) == (
+        f"record_shard='{SHARD}': {tmp_path} already holds that shard, recorded from other rows "
+        f"(rollouts-{SHARD}_materialized_inputs.jsonl: {problem}); these are other materialized inputs, so "
+        "this call cannot resume the shard. Pass the shard's own rows to resume it, or record into a new "
+        "shard label or folder"
+    )
+    assert _files(tmp_path) == files
+    assert deployment.stats("calc_env").requests == 3
+
+
+async def test_another_run_id_for_a_recorded_shard_is_refused(deployment: Deployment, tmp_path: Path) -> None:
+    async with RolloutCollectionHelper(deployment.config) as helper:
+        await _collect(
+            helper.run_outcomes(_rows(1), run_id="r1", record_output_dir=tmp_path, record_shard=SHARD)
+        )
+        with pytest.raises(ResumeError) as info:
+            helper.run_outcomes(_rows(1), run_id="r2", record_output_dir=tmp_path, record_shard=SHARD)
+    assert str(info.value) == (
+        f"record_shard='{SHARD}': {tmp_path} holds that shard recorded under run id 'r1', so run_id='r2' "
+        "names other rows; pass run_id='r1' (or none) to resume it, or record into a new shard label or "
+        "folder"
+    )
+
+
+async def test_a_second_call_takes_the_shard_over_from_a_running_one(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    rows = _rows(4)
+    async with RolloutCollectionHelper(deployment.config) as helper:
+        older = helper.run_examples(
+            rows, max_resident_tasks=1, record_output_dir=tmp_path, record_shard=SHARD
+        )
+        try:
+            await anext(aiter(older))
+            newer = await _collect(helper.run_examples(rows, record_output_dir=tmp_path, record_shard=SHARD))
+            with pytest.raises(ShardLockError) as info:
+                async for _ in older:
+                    pass
+        finally:
+            await older.aclose()
+    assert (info.value.shard, info.value.holder_pid) == (SHARD, os.getpid())
+    lines = _lines(tmp_path / f"rollouts-{SHARD}.jsonl")
+    # every rollout exactly once; the older call's lines come first, then the newer call's (its outcomes)
+    assert sorted(_key(r) for r in lines) == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    assert [_key(r) for r in lines[len(lines) - len(newer) :]] == [_key(row) for row, _ in newer]
+    assert len(newer) >= 2  # the older call had recorded at most rows 0 and 1 when the newer one took over

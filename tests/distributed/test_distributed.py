@@ -185,3 +185,17 @@ async def test_pull_based_shards_finish_before_a_static_split(ray_session: Any, 
     pull, static = _makespans(timings, 4)
     print(f"straggler: pull makespan {pull:.3f} s, static split makespan {static:.3f} s")
     assert pull < static
+
+
+async def test_800_rollouts_on_2_workers_occupy_both_with_the_automatic_shard_size(
+    servers: ThreadedDeployment, tmp_path: Path
+) -> None:
+    result = await acollect(
+        servers.config, rows=_rows(200), num_workers=2, output_dir=str(tmp_path), num_repeats=4
+    )
+    assert (result.planned, result.succeeded) == (800, 800)
+    manifest = _read_json(str(tmp_path / "run_manifest.json"))
+    assert (manifest["shard_size"], manifest["num_shards"]) == (100, 8)  # 800 / (4 shards x 2 workers)
+    timings = _read_json(result.summary_path)["distributed"]["shard_timings"]
+    assert sorted({t["worker"] for t in timings}) == ["w0", "w1"]
+    assert check_run(tmp_path).ok

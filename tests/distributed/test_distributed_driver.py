@@ -13,7 +13,7 @@ import pytest
 
 from gym_ray import keys
 from gym_ray.distributed.driver import ShardDriver, ShardFailure
-from gym_ray.errors import InputError, ShardIOError, ShardLockError
+from gym_ray.errors import InputError, NoProgressError, ShardIOError, ShardLockError
 from gym_ray.plan.shards import RUN_MANIFEST, iter_plan
 from gym_ray.record.shard_files import shard_paths
 from gym_ray.run.collect import ShardSpec
@@ -120,6 +120,8 @@ async def test_a_planning_error_is_kept_and_stops_the_hand_out() -> None:
         pytest.param("w0", ShardIOError.__name__, True, id="io-error-from-owner-aborts"),
         pytest.param("w0", ShardLockError.__name__, True, id="lock-error-from-owner-aborts"),
         pytest.param("w9", ShardLockError.__name__, False, id="lock-error-from-superseded-worker-ignored"),
+        pytest.param("w9", NoProgressError.__name__, False, id="stall-of-superseded-worker-ignored"),
+        pytest.param("w9", ShardIOError.__name__, False, id="io-error-of-superseded-worker-ignored"),
     ],
 )
 async def test_shard_failures(worker: str, error_type: str, aborts: bool) -> None:

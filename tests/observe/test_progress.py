@@ -44,7 +44,8 @@ def test_render_is_exact() -> None:
 @pytest.mark.parametrize(
     ("done", "elapsed_s", "by_server", "expected"),
     [
-        pytest.param(0, 0.0, {}, "0/100 (0.0%) 0.0/s failed 0 ETA --", id="nothing-done"),
+        pytest.param(0, 0.0, {}, "0/100 (0.0%) --/s failed 0 ETA --", id="nothing-done-no-time"),
+        pytest.param(0, 3.0, {}, "0/100 (0.0%) 0.0/s failed 0 ETA --", id="nothing-done"),
         pytest.param(10, 5.0, {}, "10/100 (10.0%) 2.0/s failed 0 ETA 45s", id="seconds"),
         pytest.param(1, 5.0, {}, "1/100 (1.0%) 0.2/s failed 0 ETA 8m15s", id="minutes"),
         pytest.param(1, 100.0, {}, "1/100 (1.0%) 0.0/s failed 0 ETA 2h45m", id="hours"),

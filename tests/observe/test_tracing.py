@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -133,7 +135,14 @@ def test_bad_settings_name_the_key(cfg: dict[str, Any], environ: dict[str, str],
     assert info.value.key == key
 
 
-def test_otlp_without_package_says_what_to_install() -> None:
+def test_otlp_without_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The exporter is a test dependency: hide it as an environment without it would (None in
+    # sys.modules makes the import fail).
+    for module in (
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+        "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+    ):
+        monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(ConfigError, match="pip install opentelemetry-exporter-otlp"):
         setup_tracing(TracingSettings(enabled=True, exporter="otlp"))
 
@@ -182,6 +191,7 @@ async def test_collect_one_root_span_per_rollout_linked_to_job(
         assert span.attributes["gym_ray.environment_server"] == "env"  # type: ignore[index]
         assert span.attributes["gym_ray.attempt_index"] == 0  # type: ignore[index]
         assert span.attributes["gym_ray.latency_ms"] > 0  # type: ignore[index,operator]
+        assert span.attributes["gym_ray.run_id"] == result.run_id  # type: ignore[index]
     assert by_task[0].attributes["gym_ray.record.status"] == "succeeded"  # type: ignore[index]
     assert by_task[0].status.status_code is StatusCode.UNSET
     failed = by_task[2]
@@ -243,6 +253,43 @@ async def test_http_error_span_has_status_and_failure_class(deployment: Deployme
     assert rollout.attributes["gym_ray.failure_class"] == "agent_run_error"  # type: ignore[index]
     (client_span,) = _named(exporter.get_finished_spans(), "HTTP POST")
     assert client_span.attributes["http.response.status_code"] == 422  # type: ignore[index]
+
+
+async def test_server_span_of_a_500_reply_has_the_error_status(deployment: Deployment) -> None:
+    tracer, exporter = _fresh()
+    deployment.servers["env"].tracer = tracer
+    topology = Topology.from_config(deployment.config)
+    rows = [_row(0), _row(1, fault="500")]  # the reference server answers HTTP 500 to the second
+    async with ServerClient(topology, retry_requests=False) as client:
+        completions = dispatch(rows, client, topology, route_failures_to_sidecar=True, tracer=tracer)
+        try:
+            outcomes = [item async for item in completions]
+        finally:
+            await completions.aclose()
+    assert sorted(type(outcome).__name__ for _, outcome in outcomes) == [
+        "CompletedRollout",
+        "RolloutFailureRecord",
+    ]
+    servers = _named(exporter.get_finished_spans(), "POST /run")
+    by_status = {s.attributes["http.response.status_code"]: s.status for s in servers}  # type: ignore[index]
+    assert sorted(by_status) == [200, 500]
+    assert by_status[200].status_code is StatusCode.UNSET
+    assert (by_status[500].status_code, by_status[500].description) == (StatusCode.ERROR, "HTTP 500")
+
+
+async def test_metrics_without_a_metric_exporter_say_so_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    for exporter in ("none", "file"):
+        settings = TracingSettings(
+            enabled=True, exporter=exporter, metrics_enabled=True, file_path=os.devnull
+        )
+        caplog.clear()
+        tracer = setup_tracing(settings)
+        assert tracer is not None
+        assert tracer.metrics is None
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+            f"tracing.metrics_enabled is true but exporter '{exporter}' cannot export metrics: no metrics "
+            "are recorded; use exporter otlp, console or memory for metrics"
+        ]
 
 
 async def test_worker_links_to_driver_job_through_traceparent(deployment: Deployment) -> None:

@@ -74,7 +74,7 @@ def _shard(
             "failed": {},
             "terminal_failed": 0,
             "omitted": 0,
-            "attempts": 0,
+            "attempts": len(successes) + sum(1 for f in failures if not f.get("_ng_no_persist")),
             "updated_at": updated_at,
         }
         Path(f"{stem}.progress.json").write_text(json.dumps(progress))
@@ -131,6 +131,7 @@ def test_run_status_counts_a_partial_run(tmp_path: Path) -> None:
         "corrupt_lines": 0,
         "created_at": 1000.0,
         "updated_at": 1020.0,
+        "progress_attempts": 6,
         "resume_error": None,
     }
     assert (s1.planned, s1.succeeded, s1.failed_attempts, s1.terminal, s1.pending, s1.omitted) == (
@@ -149,8 +150,10 @@ def test_run_status_counts_a_partial_run(tmp_path: Path) -> None:
     assert (status.terminal, status.maxed_out, status.retrying, status.omitted) == (1, 1, 1, 1)
     assert status.started_at == 1000.0
     assert status.updated_at == 1030.0
-    assert status.rate_per_s == pytest.approx(5 / 30)
-    assert status.eta_s == pytest.approx(12.0)
+    # 8 attempts counted by the progress files (s0: 2 successes + 4 failures, s1: 1 + 1; the omitted
+    # row and the torn tail are not attempts) between the first manifest (1000) and the last update (1030)
+    assert status.rate_per_s == pytest.approx(8 / 30)
+    assert status.eta_s == pytest.approx(2 / (8 / 30))
     assert status.complete is False
     assert (status.merged, status.aggregate_servers, status.aggregate_failed) == (False, None, ())
 
@@ -164,7 +167,7 @@ def test_run_status_counts_a_partial_run(tmp_path: Path) -> None:
             "total        7          4       5         1      1        2        1",
             "failures by class: agent_request_failed=1, agent_run_error=3, timeout_exceeded=1",
             "resume would run: 2 rollout(s) (1 with earlier failed attempts)",
-            "rate: 0.17 rollouts/s; ETA 12s",
+            "rate: 0.27 attempts/s; ETA 8s",
             "last update: 1970-01-01 00:17:10 UTC",
             "corrupt lines skipped: 1 (repaired when the shard is reopened)",
             f"shard s2 cannot be resumed: {s2.resume_error}",

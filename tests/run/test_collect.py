@@ -134,8 +134,10 @@ async def test_changed_inputs_are_refused_on_resume(deployment: Deployment, tmp_
 
 async def test_changed_config_is_refused_on_resume(deployment: Deployment, tmp_path: Path) -> None:
     out = str(tmp_path / "run")
-    await acollect_local(deployment.config, rows=_rows(4), output_dir=out)
-    other = copy.deepcopy(deployment.config)
+    # Without head_server: with one, the running head's config is the truth and a local change conflicts.
+    local = {k: v for k, v in deployment.config.items() if k != "head_server"}
+    await acollect_local(local, rows=_rows(4), output_dir=out)
+    other = copy.deepcopy(local)
     other["calc_env"]["environment_servers"]["example_env"]["seed"] = 99
     with pytest.raises(ResumeError, match="was collected with another configuration"):
         await acollect_local(other, rows=_rows(4), output_dir=out)

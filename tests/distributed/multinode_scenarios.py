@@ -1,0 +1,144 @@
+"""Multi-node scenarios on Ray's own test cluster (``ray.cluster_utils.Cluster``), one per process.
+
+Run as ``python -m tests.distributed.multinode_scenarios WORKDIR`` with ``RAY_TMPDIR`` set to a
+private folder (the cluster then cannot be joined by another process's ``ray.init()``). The last line of
+stdout is a JSON report that tests/distributed/test_multinode.py asserts on.
+
+Cluster: a head node with ``num_cpus=0`` (it holds the caller, the driver and the coordinator) and two
+worker nodes with one CPU each; reference servers in this process, 40 ms per rollout.
+
+Scenarios, two runs on one cluster (a cluster start costs seconds):
+- ``spread``: 4 workers; where each one was placed and where it actually runs, and where the driver and
+  the coordinator run.
+- ``node_loss``: 4 workers; once 60 rollouts are done, the second worker node is removed (its two
+  workers die with it); the run must finish on the other node with nothing lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROWS = 120
+REPEATS = 2
+NODE_OBJECT_STORE_BYTES = 80 * 1024 * 1024
+
+
+def _rows(count: int) -> list[dict[str, Any]]:
+    from gym_ray import keys
+    from gym_ray.servers import bundled_dataset_path
+
+    lines = bundled_dataset_path().read_text(encoding="utf-8").splitlines()
+    rows = []
+    for index in range(count):
+        row = json.loads(lines[index % len(lines)])
+        row["row_number"] = index
+        row[keys.AGENT_REF] = {"name": "arith_agent"}
+        rows.append(row)
+    return rows
+
+
+def _completed(servers: Any) -> int:
+    return sum(servers.stats(env).completed for env in ("arith_env", "arith_env_hard"))
+
+
+async def _until(predicate: Any, what: str, timeout_s: float = 120.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _one_run(cluster: Any, servers: Any, run_dir: Path, *, lose_node: Any = None) -> dict[str, Any]:
+    """A 4-worker run of ``ROWS`` x ``REPEATS`` rollouts; removes ``lose_node`` after 60 finished rollouts."""
+    import ray
+
+    from gym_ray.config.run_config import resolve_run_config
+    from gym_ray.distributed.api import RunActors, plan_from_config, run_actors
+    from gym_ray.record.ledger import check_run
+
+    servers.reset_stats()
+    run = await resolve_run_config(
+        servers.config,
+        settings={
+            "output_dir": str(run_dir),
+            "shard_size": 10,
+            "max_resident_tasks": 4,
+            "num_repeats": REPEATS,
+        },
+    )
+    started: list[RunActors] = []
+    task = asyncio.ensure_future(
+        run_actors(
+            run,
+            functools.partial(plan_from_config, run, ray.put(_rows(ROWS))),
+            run_dir=str(run_dir),
+            num_workers=4,
+            on_started=started.append,
+        )
+    )
+    await _until(lambda: bool(started) or task.done(), "the actors to start")
+    actors = started[0]
+    initial = dict(actors.workers)
+    report: dict[str, Any] = {"placed": {worker: actors.nodes.get(worker) for worker in initial}}
+    nodes_now = await asyncio.gather(*(handle.node_id.remote() for handle in initial.values()))
+    report["runs_on"] = dict(zip(initial, nodes_now, strict=True))
+    report["driver_on"] = await actors.driver.node_id.remote()
+    report["coordinator_on"] = await actors.coordinator.node_id.remote()
+    if lose_node is not None:
+        await _until(lambda: _completed(servers) >= 60 or task.done(), "60 finished rollouts")
+        cluster.remove_node(lose_node)
+    result = await task
+    ledger = check_run(run_dir).as_dict()
+    report.update(
+        planned=result.planned,
+        succeeded=result.succeeded,
+        failed=result.failed,
+        lost_workers=sorted(actors.lost),
+        replacements={w: actors.nodes.get(w) for w in actors.workers if w not in initial},
+        wasted_requests=_completed(servers) - result.planned,
+        ledger={k: ledger[k] for k in ("lost", "missing", "duplicates", "corrupt_lines")},
+    )
+    return report
+
+
+async def _scenarios(workdir: Path) -> dict[str, Any]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from gym_ray.servers import load_bundled_config, start_in_thread
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "object_store_memory": NODE_OBJECT_STORE_BYTES},
+    )
+    nodes = [cluster.add_node(num_cpus=1, object_store_memory=NODE_OBJECT_STORE_BYTES) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    cluster.wait_for_nodes()
+    cfg = load_bundled_config()
+    cfg["arith_env"]["environment_servers"]["example_env"].update(latency_ms=40, latency_jitter_ms=0)
+    report: dict[str, Any] = {"head": cluster.head_node.node_id, "nodes": [node.node_id for node in nodes]}
+    try:
+        with start_in_thread(cfg) as servers:
+            report["spread"] = await _one_run(cluster, servers, workdir / "spread")
+            report["node_loss"] = await _one_run(cluster, servers, workdir / "node_loss", lose_node=nodes[1])
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return report
+
+
+def main(argv: list[str]) -> int:
+    report = asyncio.run(_scenarios(Path(argv[1])))
+    print(json.dumps(report, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv))

@@ -1,0 +1,70 @@
+"""Multi-node runs on Ray's own test cluster (``ray.cluster_utils.Cluster``): a head with no CPUs and two
+worker nodes, in a child process with its own ``RAY_TMPDIR`` (see ``multinode_scenarios.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
+
+REPO = Path(__file__).resolve().parents[2]
+PLANNED = 240  # 120 rows x 2 repeats
+NO_LEDGER_FAULTS = {"lost": 0, "missing": 0, "duplicates": 0, "corrupt_lines": 0}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict[str, Any]:
+    # A short private temp dir: Ray's socket paths must stay short, and no other process may join it.
+    with tempfile.TemporaryDirectory(prefix="grmn-", dir="/tmp") as ray_tmp:
+        env = {**os.environ, "RAY_TMPDIR": ray_tmp, "PYTHONPATH": str(REPO)}
+        env.pop("RAY_ADDRESS", None)
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.distributed.multinode_scenarios", ray_tmp],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    print("multi-node figures:", json.dumps({k: result[k] for k in ("spread", "node_loss")}, indent=1))
+    return result
+
+
+def test_workers_spread_over_the_cpu_nodes_and_the_driver_stays_on_the_callers_node(
+    report: dict[str, Any],
+) -> None:
+    spread = report["spread"]
+    node_a, node_b = report["nodes"]
+    assert spread["placed"] == spread["runs_on"]  # placed by strategy, and Ray honoured it
+    assert Counter(spread["runs_on"].values()) == {node_a: 2, node_b: 2}  # none on the 0-CPU head
+    assert spread["driver_on"] == spread["coordinator_on"] == report["head"]
+    assert (spread["planned"], spread["succeeded"], spread["failed"]) == (PLANNED, PLANNED, 0)
+    assert spread["lost_workers"] == []
+    assert spread["wasted_requests"] == 0
+    assert spread["ledger"] == NO_LEDGER_FAULTS
+
+
+def test_a_lost_worker_node_requeues_its_shards_and_the_run_completes(report: dict[str, Any]) -> None:
+    loss = report["node_loss"]
+    node_a, node_b = report["nodes"]
+    on_b = sorted(worker for worker, node in loss["runs_on"].items() if node == node_b)
+    assert len(on_b) == 2
+    assert loss["lost_workers"] == on_b
+    assert set(loss["replacements"].values()) == {node_a}  # replacements go to the surviving node
+    assert len(loss["replacements"]) == 2
+    assert (loss["planned"], loss["succeeded"], loss["failed"]) == (PLANNED, PLANNED, 0)
+    assert loss["ledger"] == NO_LEDGER_FAULTS
+    # Rollouts in flight on the lost node ran again elsewhere: at most the two lost workers' windows.
+    assert 0 <= loss["wasted_requests"] <= 2 * 4

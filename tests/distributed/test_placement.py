@@ -1,0 +1,53 @@
+"""Worker placement: CPU nodes only, fewest live workers first, replacements away from a lost node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gym_ray.distributed.placement import WorkerPlacement, ray_init_kwargs
+
+HEAD, A, B = ("0" * 56, "a" * 56, "b" * 56)
+X, Y = ("c" * 56, "d" * 56)
+
+
+def _node(node_id: str, cpus: float, *, alive: bool = True) -> dict[str, Any]:
+    return {"NodeID": node_id, "Alive": alive, "Resources": {"CPU": cpus} if cpus else {}}
+
+
+def _chosen(placement: WorkerPlacement, workers: list[str], live: set[str]) -> list[str | None]:
+    chosen = []
+    for worker in workers:
+        placement.options(worker, live)
+        live.add(worker)
+        chosen.append(placement.node_of(worker))
+    return chosen
+
+
+def test_workers_go_round_robin_to_the_cpu_nodes_and_leave_a_zero_cpu_head_alone() -> None:
+    placement = WorkerPlacement([_node(HEAD, 0), _node(A, 1), _node(B, 2)])
+    assert _chosen(placement, ["w0", "w1", "w2", "w3", "w4"], set()) == [A, B, A, B, A]
+    options = placement.options("w5", {"w0", "w1", "w2", "w3", "w4"})
+    assert options["num_cpus"] == 0
+    assert (options["scheduling_strategy"].node_id, options["scheduling_strategy"].soft) == (B, False)
+
+
+def test_a_replacement_goes_to_the_node_with_the_fewest_live_workers() -> None:
+    placement = WorkerPlacement([_node(A, 1), _node(B, 1)])
+    _chosen(placement, ["w0", "w1", "w2", "w3"], set())  # A, B, A, B
+    # w1 and w3 (node B) died: the replacement goes to B, which now holds none of the live workers.
+    assert _chosen(placement, ["w4"], {"w0", "w2"}) == [B]
+
+
+def test_dead_nodes_are_skipped_and_a_cluster_without_cpus_uses_every_alive_node() -> None:
+    placement = WorkerPlacement([_node(A, 1, alive=False), _node(B, 1)])
+    assert _chosen(placement, ["w0", "w1"], set()) == [B, B]
+    cpu_less = WorkerPlacement([_node(X, 0), _node(Y, 0)])
+    assert _chosen(cpu_less, ["w0", "w1"], set()) == [X, Y]
+
+
+def test_a_local_run_never_joins_another_cluster_on_the_machine(monkeypatch: Any) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_init_kwargs(None)["address"] == "local"
+    assert ray_init_kwargs("ray://head:10001") == {"address": "ray://head:10001"}
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert ray_init_kwargs(None) == {"address": None}

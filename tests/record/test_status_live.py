@@ -1,0 +1,93 @@
+"""``gym-ray status`` on a live run: a running shard rewrites its progress file as it goes, so the rate
+and ETA status reads are computed from counts and a timestamp that describe the same moment (not from
+the lines on disk now divided by the time of the last *finished* shard)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gym_ray.config.run_config import resolve_run_config
+from gym_ray.plan.shards import prepare_run
+from gym_ray.record.status import run_status
+from gym_ray.run import collect
+from gym_ray.servers import Deployment, serve_config
+
+ROWS = 6
+
+
+def _config() -> dict[str, Any]:
+    return {
+        "head_server": {"host": "127.0.0.1", "port": 0},
+        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
+        "calc_env": {
+            "environment_servers": {
+                "example_env": {
+                    "host": "127.0.0.1",
+                    "port": 0,
+                    "seed": 3,
+                    "latency_ms": 0,
+                    "agent_server": {"type": "responses_api_agents", "name": "calc_agent"},
+                }
+            }
+        },
+    }
+
+
+@pytest.fixture
+async def deployment() -> AsyncIterator[Deployment]:
+    async with serve_config(_config()) as dep:
+        yield dep
+
+
+async def test_status_of_a_running_shard_reads_its_fresh_progress_file(
+    deployment: Deployment, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(collect, "PROGRESS_FILE_INTERVAL_S", 0.0)  # rewrite after every record
+    rows = [
+        {
+            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
+            "expected_answer": str(i + 1),
+            "agent_ref": {"name": "calc_agent"},
+        }
+        for i in range(ROWS)
+    ]
+    run = await resolve_run_config(
+        deployment.config, settings={"output_dir": str(tmp_path / "run"), "max_resident_tasks": 1}
+    )
+    plan = prepare_run(run, rows=rows)
+    (spec,) = plan.shards
+    seen: list[tuple[int | None, int, float | None, float | None, float | None, float | None]] = []
+
+    def look(row: dict[str, Any], record: dict[str, Any]) -> None:
+        status = run_status(plan.run_dir)  # mid-run, as `gym-ray status` would
+        (shard,) = status.shards
+        seen.append(
+            (
+                shard.progress_attempts,
+                status.pending,
+                status.rate_per_s,
+                status.eta_s,
+                shard.updated_at,
+                shard.created_at,
+            )
+        )
+
+    async with collect.client_for(run) as client:
+        report = await collect.run_shard(spec, client=client, run=run, on_outcome=look)
+    assert report.succeeded == ROWS
+
+    # At the k-th outcome (1-based) its record is on disk, and the progress file holds the k - 1 before it.
+    assert [attempts for attempts, *_ in seen] == [None, *range(1, ROWS)]
+    assert [pending for _, pending, *_ in seen] == [ROWS - k for k in range(1, ROWS + 1)]
+    assert seen[0][2:4] == (None, None)  # no progress file yet: no rate
+    for attempts, pending, rate, eta, updated_at, created_at in seen[1:]:
+        assert updated_at is not None
+        assert created_at is not None
+        assert rate == pytest.approx(attempts / (updated_at - created_at))  # attempts == k - 1
+        assert eta == pytest.approx(pending / rate)  # type: ignore[operator]
+    final = run_status(plan.run_dir)
+    assert (final.shards[0].progress_attempts, final.pending, final.eta_s) == (ROWS, 0, 0.0)
