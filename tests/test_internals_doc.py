@@ -261,8 +261,10 @@ def test_every_module_is_on_the_map_and_every_module_on_the_map_exists() -> None
         for name in re.findall(r"`(\w+\.py)`", text):
             if not (PACKAGE / folder / name).exists():
                 unknown.append(f"{folder}{name}")
-    assert absent == [], "modules missing from docs/internals.md (add a line to their folder's section)"
-    assert unknown == [], "docs/internals.md names modules that do not exist"
+    assert absent == [], (
+        f"modules missing from docs/internals.md (name each in its folder's section): {absent}"
+    )
+    assert unknown == [], f"docs/internals.md names modules that do not exist: {unknown}"
 
 
 def test_the_checker_catches_a_stale_signature() -> None:
