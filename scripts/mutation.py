@@ -148,6 +148,11 @@ def _run(folder: Path, seconds: float, names: list[str] | None = None) -> bool:
     return proc.returncode == 0
 
 
+_DIFFS = """
+import json, sys
+from mutmut.mutation.diff_apply import find_mutant, get_diff_for_mutant
+print(json.dumps({n: get_diff_for_mutant(n, path=find_mutant(n).path) for n in sys.argv[1:]}))
+"""
 _STRING = re.compile(r"""(?:[rbfu]{0,2})("[^"]*"|'[^']*')""", re.IGNORECASE)
 
 
@@ -168,16 +173,19 @@ def _results(folder: Path, module: str) -> dict[str, Any]:
         return {"checked": 0}
     codes: dict[str, int | None] = json.loads(meta.read_text(encoding="utf-8"))["exit_code_by_key"]
     counts: dict[str, int] = {}
-    survivors = []
-    for key, code in sorted(codes.items()):
+    for code in codes.values():
         status = "not checked" if code is None else STATUS.get(code, "suspicious")
         counts[status] = counts.get(status, 0) + 1
-        if status == "survived":
-            shown = subprocess.run(
-                ["mutmut", "show", key], cwd=folder, env=_env(folder), capture_output=True, text=True
-            )
-            diff = shown.stdout.strip()
-            survivors.append({"mutant": key, "diff": diff, "message_only": _message_only(diff)})
+    names = sorted(key for key, code in codes.items() if code == 0)
+    # every survivor's diff from one process (``mutmut show`` per mutant costs seconds each here)
+    shown = subprocess.run(
+        [sys.executable, "-c", _DIFFS, *names], cwd=folder, env=_env(folder), capture_output=True, text=True
+    )
+    diffs: dict[str, str] = json.loads(shown.stdout) if shown.returncode == 0 else {}
+    survivors = []
+    for key in names:
+        diff = diffs.get(key, "(diff unavailable: run `mutmut show` in the module's work folder)").strip()
+        survivors.append({"mutant": key, "diff": diff, "message_only": _message_only(diff)})
     killed, survived = counts.get("killed", 0), counts.get("survived", 0)
     wording = sum(1 for s in survivors if s["message_only"])
     return {
