@@ -113,8 +113,12 @@ def test_latency_bench_without_wrk_reports_none_and_says_so(
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed")
 def test_latency_bench_with_wrk_reports_its_rate_over_the_ideal() -> None:
     result = latency.run_latency_bench(latency_ms=20, in_flight=4, rollouts=16)
-    assert result["wrk_rollouts_per_s"] > 0
-    assert result["wrk_latency_avg_ms"] > 0
+    # wrk really loaded the 20 ms server: no reply can come back sooner than the server's sleep, and
+    # 4 connections at >= 20 ms each cannot complete more than 4 / 0.020 = 200 requests per second
+    # (Little's law; 10% for the edges of wrk's measuring window)
+    assert result["ideal_rollouts_per_s"] == 200.0
+    assert result["wrk_latency_avg_ms"] >= 20.0
+    assert 0 < result["wrk_rollouts_per_s"] <= 200.0 * 1.1
     assert result["wrk_efficiency"] == result["wrk_rollouts_per_s"] / result["ideal_rollouts_per_s"]
 
 
@@ -131,4 +135,6 @@ def test_wrk_ceiling_loads_every_env_server() -> None:
         requests = {env: servers.stats(env).requests for env in ray_bench.ENVS}
     assert rate is not None
     assert rate > 0
+    # every environment server got wrk's requests (the ceiling is over all of them, not the first)
+    assert sorted(requests) == sorted(ray_bench.ENVS)
     assert min(requests.values()) > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -204,17 +205,33 @@ async def test_generator_rows_keep_live_tasks_bounded(instant: Deployment, helpe
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(not os.environ.get("GYM_RAY_SLOW_TESTS"), reason="2+ minutes; set GYM_RAY_SLOW_TESTS=1")
-async def test_200k_generator_rows_keep_live_tasks_bounded(instant: Deployment, helper_of: Any) -> None:
-    n, bound, peak = 200_000, 256, 0
+@pytest.mark.parametrize(
+    "n",
+    [
+        pytest.param(2_560, id="2560-in-ci"),  # ten windows of the same bound: CI-sized
+        pytest.param(
+            200_000,
+            id="200k",
+            marks=pytest.mark.skipif(
+                not os.environ.get("GYM_RAY_SLOW_TESTS"),
+                reason="200k rows take 2+ minutes; the 2,560-row form runs in CI; set GYM_RAY_SLOW_TESTS=1",
+            ),
+        ),
+    ],
+)
+async def test_many_generator_rows_keep_live_tasks_within_256(
+    instant: Deployment, helper_of: Any, n: int
+) -> None:
+    bound, peak = 256, 0
     it = helper_of(instant).run_examples((row(i) for i in range(n)), max_resident_tasks=bound)
     seen = 0
     async for _ in it:
         seen += 1
-        if seen % 500 == 0:
+        if seen % 100 == 0:
             peak = max(peak, dispatch_tasks())
     await it.aclose()
-    assert seen == n
+    assert (seen, it.stats().admitted, it.stats().completed) == (n, n, n)
+    assert instant.stats("env").requests == n
     assert peak <= bound
 
 
@@ -443,15 +460,18 @@ async def test_internal_dispatch_yields_completed_rollouts(instant: Deployment) 
         "_ng_rollout_index": 0,
     }
     async with ServerClient(topology) as client:
+        started = time.perf_counter()
         it = dispatch([row(0), episode_fail], client, topology, max_resident_tasks=2)
         outcomes = {r["_ng_task_index"]: o async for r, o in it}
+        wall_ms = (time.perf_counter() - started) * 1000.0
         await it.aclose()
     done = outcomes[0]
     assert isinstance(done, CompletedRollout)
     assert done.result["reward"] == 1.0
     assert keys.RESULT_TYPE not in done.result
+    # the /run's own latency: measured inside the dispatch, so within the wall time around it
     assert done.rollout_latency_ms is not None
-    assert done.rollout_latency_ms > 0
+    assert 0 < done.rollout_latency_ms <= wall_ms
     assert (done.environment_server, done.environment_server_type) == ("env", "example_env")
     failed = outcomes[9]
     assert isinstance(failed, RolloutFailureRecord)

@@ -47,15 +47,25 @@ BOUNDS = [pytest.param(None, id="unbounded"), pytest.param(3, id="bounded")]
 async def test_close_before_first_use_starts_nothing(
     dep: Deployment, helper: RolloutCollectionHelper, bound: Any
 ) -> None:
-    it = helper.run_examples([row(0), row(1)], max_resident_tasks=bound)
+    pulled: list[int] = []
+
+    def rows() -> Any:  # records every row the iterator takes from its input
+        for i in range(2):
+            pulled.append(i)
+            yield row(i)
+
+    it = helper.run_examples(rows(), max_resident_tasks=bound)
     await it.aclose()
     await it.aclose()  # repeated call
     assert list(it) == []
     assert await it.aclose_and_drain() == []
-    it2 = helper.run_examples([row(0), row(1)], max_resident_tasks=bound)
+    it2 = helper.run_examples(rows(), max_resident_tasks=bound)
     assert await it2.aclose_and_drain() == []
     assert [x async for x in it2] == []
-    await asyncio.sleep(0.05)
+    # nothing was taken from the input and no row task exists, so nothing can reach the server later
+    assert pulled == []
+    assert (it.stats().admitted, it2.stats().admitted) == (0, 0)
+    assert [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.startswith("_Dispatcher.")] == []
     assert dep.stats("env").requests == 0
 
 
@@ -224,6 +234,7 @@ async def test_bounded_admission_is_lazy_and_ordered() -> None:
     await asyncio.sleep(0.01)
     assert log == []
     assert pulled == [0]
+    assert it.admitted == 0  # admission starts when the first item is awaited, not when it is handed out
     assert await first == 0
     await asyncio.sleep(0.01)
     assert log == [0, 1, 2, 3]

@@ -187,18 +187,25 @@ def test_stamp_environment_agent_refs() -> None:
 # --- validate_rows ------------------------------------------------------------------------------------
 
 
-def test_valid_rows_pass() -> None:
-    validate_rows(
-        [
-            named("math_simple_agent", task_source="math", _ng_task_index=0, _ng_rollout_index=0),
-            named("solo_agent"),
-            task_row("sim:val", "t1", _ng_environment_server="env_sim"),
-            task_row("sim:val", "t2"),
-            flat("q", _ng_environment_server="env_math"),
-            named("pinned_b", _ng_environment_server="env_sim"),
-        ],
-        TOPOLOGY,
-    )
+def test_valid_rows_pass_untouched_and_one_bad_row_among_them_is_named() -> None:
+    rows = [
+        named("math_simple_agent", task_source="math", _ng_task_index=0, _ng_rollout_index=0),
+        named("solo_agent"),
+        task_row("sim:val", "t1", _ng_environment_server="env_sim"),
+        task_row("sim:val", "t2"),
+        flat("q", _ng_environment_server="env_math"),
+        named("pinned_b", _ng_environment_server="env_sim"),
+    ]
+    before = copy.deepcopy(rows)
+    assert validate_rows(rows, TOPOLOGY) is None
+    assert rows == before  # validation never stamps or mutates a row
+    # the same rows with one unknown agent appended: that row, and only it, is reported
+    with pytest.raises(ValidationError) as caught:
+        validate_rows([*rows, named("solo_agnet")], TOPOLOGY)
+    assert caught.value.problems is not None
+    assert len(caught.value.problems) == 1
+    assert "row 6" in caught.value.problems[0]
+    assert "'solo_agnet'" in caught.value.problems[0]
 
 
 def test_routing_problems_list_every_row() -> None:

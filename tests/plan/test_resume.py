@@ -285,3 +285,30 @@ def test_a_task_may_continue_its_numbering_in_a_later_shard(tmp_path: Path) -> N
     record_shard(tmp_path, rows, manifest=False)
     plan = plan_resume(tmp_path, "s0")
     assert list(plan.iter_pending()) == rows
+
+
+def test_the_default_cap_is_three_failure_attempts(tmp_path: Path) -> None:
+    rows = [row(0, 0), row(1, 0)]
+    records = [fail(0, 0), fail(0, 0, _ng_attempt_index=1), fail(0, 0, _ng_attempt_index=2)]
+    record_shard(tmp_path, rows, [*records, fail(1, 0), fail(1, 0, _ng_attempt_index=1)])
+    plan = plan_resume(tmp_path, "s0")
+    assert (plan.max_rollout_attempts, plan.maxed_out, plan.pending_count) == (3, 1, 1)
+    assert list(plan.iter_pending()) == [row(1, 0, _ng_attempt_index=2)]
+    with pytest.raises(ConfigError) as caught:
+        plan_resume(tmp_path, "s0", max_rollout_attempts=0)
+    assert caught.value.key == "max_rollout_attempts"
+
+
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        pytest.param(b"", "has no materialized inputs at .* and nothing recorded", id="empty-outputs"),
+        pytest.param(b"x", "has recorded outputs but its materialized inputs .* are missing", id="one-byte"),
+    ],
+)
+def test_missing_inputs_are_refused_saying_whether_anything_was_recorded(
+    tmp_path: Path, outputs: bytes, message: str
+) -> None:
+    shard_paths(tmp_path, "s0").failures.write_bytes(outputs)
+    with pytest.raises(ResumeError, match=f"^shard 's0' {message}"):
+        plan_resume(tmp_path, "s0")

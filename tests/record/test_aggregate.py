@@ -534,6 +534,7 @@ async def test_raise_on_error_reraises_the_original_exception_after_saving(tmp_p
     # The first failed server in name order is env_b; its entry holds the very exception raised.
     assert errors["env_b"] == f"ServerHTTPError: {exc}"
     assert errors["env_down"] is not None
+    assert errors["env_down"].startswith("ServerConnectionError: ")
     frames = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(exc.__traceback__)]
     assert any(name.endswith("gym_ray/dispatch/client.py") for name in frames)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +147,55 @@ def test_explicit_plan_and_unidentified_lines(tmp_path: Path) -> None:
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
-    with pytest.raises(InputError, match="does not exist or is not a folder"):
+    with pytest.raises(InputError, match="does not exist or is not a folder") as missing:
         check_run(tmp_path / "nope")
-    with pytest.raises(ConfigError, match="max_rollout_attempts=0"):
+    assert missing.value.path == str(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="max_rollout_attempts=0") as zero:
         check_run(tmp_path, max_rollout_attempts=0)
+    assert zero.value.key == "max_rollout_attempts"
+    assert check_run(tmp_path, max_rollout_attempts=1).run_dir == str(tmp_path)  # 1 is the smallest cap
+
+
+def test_unidentified_and_omitted_lines_are_passed_over_and_the_lines_after_them_read(tmp_path: Path) -> None:
+    drained = rec(3, 0, _ng_failure_class="cancelled", _ng_dispatch_drained=True, _ng_no_persist=True)
+    write_shard(
+        tmp_path,
+        "a",
+        [(0, 0), (1, 0), (2, 0), (3, 0)],
+        [
+            rec(0, 0),
+            {"reward": 1.0},  # no identity
+            rec(1, 0),
+            {"_ng_task_index": "1", "_ng_rollout_index": 0},  # not an integer identity
+            rec(2, 0),
+            drained,  # omitted: in the failures file, never a record
+            fail(3, 0, _ng_failure_terminal=True),
+        ],
+    )
+    report = check_run(tmp_path)
+    assert (report.recorded, report.settled, report.missing, report.unidentified_lines) == (4, 4, 0, 2)
+
+
+def test_wasted_requests_count_a_non_integer_attempt_as_attempt_0(tmp_path: Path) -> None:
+    # (0,0): a success at attempt 0 and a failure whose attempt index is not an int (read as 0): one
+    # distinct recorded attempt, so 3 requests waste 2. (1,0): failures at attempts 0 and 1: 2 requests, 0.
+    write_shard(
+        tmp_path,
+        "a",
+        [(0, 0), (1, 0)],
+        [rec(0, 0), fail(0, 0, _ng_attempt_index="1"), fail(1, 0), fail(1, 0, 1)],
+    )
+    report = check_run(tmp_path, request_counts={(0, 0): 3, (1, 0): 2})
+    assert report.wasted_requests == 2
+
+
+def test_an_omitted_line_in_the_merged_failures_is_not_a_record(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a", [(0, 0), (1, 0)], [rec(0, 0)])
+    (tmp_path / "rollouts.jsonl").write_text(json.dumps(rec(0, 0)) + "\n", encoding="utf-8")
+    drained = rec(1, 0, _ng_failure_class="cancelled", _ng_dispatch_drained=True, _ng_no_persist=True)
+    (tmp_path / "rollouts_failures.jsonl").write_text(json.dumps(drained) + "\n", encoding="utf-8")
+    report = check_run(tmp_path)
+    assert (report.source, report.recorded, report.missing_ids) == ("merged", 1, ((1, 0),))
 
 
 def test_a_stream_record_dir_is_judged_by_what_it_recorded(tmp_path: Path) -> None:

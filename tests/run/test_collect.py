@@ -155,8 +155,15 @@ async def test_server_that_never_answers_fails_the_run_with_no_progress(tmp_path
                 no_progress_timeout_s=1.0,
             )
         assert time.monotonic() - started < 30
-        await asyncio.sleep(0.2)  # the servers see the cancelled requests' disconnects
-        assert dep.stats("calc_env").in_flight == 0
+        # the servers see the cancelled requests' disconnects: every hanging handler ends, and each of the
+        # 4 rows was sent exactly once
+        for _ in range(600):  # up to 30 s
+            if dep.stats("calc_env").in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        stats = dep.stats("calc_env")
+        assert (stats.in_flight, stats.cancelled) == (0, 4)
+        assert stats.request_counts == {(task, 0): 1 for task in range(4)}
 
 
 _CHILD = """

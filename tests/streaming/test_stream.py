@@ -103,12 +103,19 @@ async def test_backpressure_stops_admission_within_the_buffer_bound(ray_session:
             for _ in range(consumed):
                 await anext(rollouts)
             await _until(lambda: servers.stats("fast_env").requests == bound, f"{bound} requests")
-            await asyncio.sleep(1.0)  # room for any admission beyond the bound to show up
+
+            async def settled() -> bool:
+                return [(w.outbox, w.in_flight, w.credits) for w in await rollouts.worker_stats()] == [
+                    (2, 0, 0),
+                    (2, 0, 0),
+                ]
+
+            # no worker has a credit left and nothing is in flight: a worker admits a row only with a
+            # credit, so no request beyond the bound can come (no sleep needed to see that)
+            await _until(settled, "both workers out of credits with full outboxes")
             assert servers.stats("fast_env").requests == bound
             stats = rollouts.stats()
             assert (stats.delivered, stats.buffered) == (consumed, buffer_size)
-            workers = await rollouts.worker_stats()
-            assert [(w.outbox, w.in_flight, w.credits) for w in workers] == [(2, 0, 0), (2, 0, 0)]
 
 
 async def test_group_size_delivers_complete_groups(ray_session: Any) -> None:
@@ -227,7 +234,8 @@ async def test_killed_worker_rows_are_rerun_and_delivered_once(ray_session: Any)
     assert (stats.workers_lost, stats.delivered) == (1, 16)
     assert stats.requeued >= 1
     assert set(counts) == {(t, 0) for t in range(16)}
-    assert sum(counts.values()) >= 16
+    # each row reached a server once, plus at most once more per requeue of its undelivered outcome
+    assert 16 <= sum(counts.values()) <= 16 + stats.requeued
 
 
 async def test_record_dir_and_resume(ray_session: Any, tmp_path: Any) -> None:
