@@ -17,7 +17,7 @@ from gym_ray.config.strict import REFUSED_OPTIONS
 from gym_ray.config.topology import Topology
 from gym_ray.dispatch.helper import RolloutCollectionHelper
 from gym_ray.distributed.api import worker_shares
-from gym_ray.errors import ConfigError, ResumeError, RunRejectedError
+from gym_ray.errors import ConfigError, IncompleteRunError, ResumeError
 from gym_ray.plan.preprocess import preprocess_examples, validate_rows
 from gym_ray.record.nemo_layout import nemo_gym_paths
 from gym_ray.run.collect import acollect_local
@@ -300,13 +300,13 @@ async def test_limit_zero_means_every_row_and_limit_cuts_the_head(calc: Deployme
 async def test_require_complete_fails_the_run_after_writing_its_files(tmp_path: Path) -> None:
     out = tmp_path / "r.jsonl"
     async with serve_config(_calc_config(faults={"error_rate": 1.0})) as dep:
-        with pytest.raises(RunRejectedError) as info:
+        with pytest.raises(IncompleteRunError) as info:
             await acollect_local(
                 dep.config, rows=_rows(4), output_jsonl_fpath=str(out), require_complete=True
             )
     assert str(info.value) == (
-        f"EVAL FAILED: 0/4 samples completed (require_complete=true). Partial artifacts retained at {out}; "
-        "rerun on the same output to resume"
+        f"run folder {tmp_path / 'r_run'} is incomplete: 4 failed and 0 pending of 4 planned rollouts "
+        "(0 succeeded, 4 failed attempts); 4 would run again: run again on the same output_dir to resume"
     )
     assert len(_lines(tmp_path / "r_failures.jsonl")) == 4
     assert out.read_text(encoding="utf-8") == ""

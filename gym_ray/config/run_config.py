@@ -163,6 +163,16 @@ async def resolve_run_config(
     local = Topology.from_config(cfg)
     if local.head_url is None:
         return RunConfig.from_dict(cfg)
+    if local.head_url.endswith(":0"):
+        # Port 0 is a config to serve (`gym-ray serve` picks the ports), not the address of a running head:
+        # its own server blocks are the run's (the preflight refuses their port 0 by instance name).
+        if local.instances:
+            return RunConfig.from_dict(cfg)
+        raise ConfigError(
+            "config key 'head_server.port' is 0, which names no running head server; pass the head's real "
+            "port (`gym-ray serve CONFIG` prints it and writes gym-ray-run.yaml with it)",
+            key="head_server.port",
+        )
     remote = await fetch_global_config(local.head_url, timeout_s=client_timeout_s)
     return RunConfig.from_dict(overlay_on_head(remote, cfg))
 

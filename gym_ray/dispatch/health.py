@@ -353,7 +353,7 @@ class ServerHealth:
                     server=st.name,
                     down_s=down_s,
                 )
-                logger.error("%s", st.error)
+                logger.info("%s", st.error)  # raised to the caller, which reports it once
                 st.back.set()
                 self._notify()
                 return

@@ -65,7 +65,6 @@ from gym_ray.errors import (
 from gym_ray.observe.tracing import ATTR_RUN_ID, Tracer, current_traceparent, job_span, setup_tracing
 from gym_ray.record.outage_note import clear_outage, write_outage
 from gym_ray.record.run_lock import RunLock, sweep_leftovers
-from gym_ray.run.finalize import incomplete_error
 from gym_ray.run.preflight import preflight
 from gym_ray.run.signals import run_until_signal
 
@@ -436,7 +435,14 @@ async def _close_actors(handles: Sequence[Any], *, timeout_s: float) -> None:
     for call in pending:
         call.cancel()
     outcomes = await asyncio.gather(*closing, return_exceptions=True)
-    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    import ray
+
+    # An actor that is already dead (the run's error names it) holds nothing more to flush: not worth a line.
+    failed = [
+        o
+        for o in outcomes
+        if isinstance(o, BaseException) and not isinstance(o, ray.exceptions.RayActorError)
+    ]
     if failed:
         logger.warning(
             "collect: %d of %d actors did not close within %g s (%s); telemetry they still held may be lost",
@@ -501,6 +507,8 @@ async def acollect(
     """
     started = time.monotonic()
     # Config errors surface here, before Ray starts; a head-only config is completed from the head.
+    if require_complete:
+        settings = {**settings, "require_complete": True}  # finalize_run raises when the run is incomplete
     run = await resolve_run_config(config, overrides=overrides, settings=settings)
     run_settings = run.settings
     row_list = [dict(row) for row in rows] if rows is not None else None
@@ -542,8 +550,6 @@ async def acollect(
             if view is not None:
                 view.close()
 
-    if require_complete and not result.complete:
-        raise incomplete_error(result)
     return result
 
 

@@ -166,7 +166,7 @@ def sweep_leftovers(run_dir: str | os.PathLike[str]) -> list[str]:
             path.unlink(missing_ok=True)
         removed.append(name)
     if removed:
-        logger.warning(
+        logger.info(
             "removed %d leftover temp entries of an interrupted run in %s: %s",
             len(removed),
             root,

@@ -39,7 +39,7 @@ from gym_ray.record.outage_note import clear_outage, write_outage
 from gym_ray.record.run_lock import RunLock, sweep_leftovers
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error
-from gym_ray.run.finalize import finalize_run, incomplete_error
+from gym_ray.run.finalize import finalize_run
 from gym_ray.run.preflight import preflight
 from gym_ray.run.result import RunResult, ShardReport
 
@@ -361,6 +361,8 @@ async def acollect_local(
         IncompleteRunError: ``require_complete`` and the run is not complete.
     """
     started = time.monotonic()
+    if require_complete:
+        settings = {**settings, "require_complete": True}  # finalize_run raises when the run is incomplete
     run = await resolve_run_config(config, overrides=overrides, settings=settings)
     await preflight(run, rows=rows)
     if run.settings.output_dir is None:
@@ -374,8 +376,6 @@ async def acollect_local(
                 write_outage(run.settings.output_dir, exc)  # for `status`: why the run is unfinished
                 raise
             clear_outage(run.settings.output_dir)
-    if require_complete and not result.complete:
-        raise incomplete_error(result)
     return result
 
 

@@ -16,7 +16,7 @@ from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.dispatch import latency
 from gym_ray.dispatch.client import ServerClient
-from gym_ray.errors import IncompleteRunError, RunRejectedError
+from gym_ray.errors import IncompleteRunError
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.shards import RunPlan
 from gym_ray.record.aggregate import (
@@ -47,7 +47,7 @@ async def finalize_run(
     With ``disable_aggregation`` no ``/aggregate_metrics`` call is made and no metrics file is written.
     With ``output_jsonl_fpath`` the merged files are published under NeMo Gym's names
     (:mod:`gym_ray.record.nemo_layout`) and the result's paths point there. With ``require_complete`` a
-    run that has fewer successes than planned rollouts raises :class:`~gym_ray.errors.RunRejectedError`
+    run that is not complete (:attr:`RunResult.complete`) raises :class:`~gym_ray.errors.IncompleteRunError`
     after every file is written (NeMo Gym's ``EVAL FAILED``).
 
     A strict run with unfinished work is rejected before aggregation (no score is published). When an
@@ -128,12 +128,10 @@ async def finalize_run(
     atomic_write_bytes(root / SUMMARY_FILE, (result.model_dump_json(indent=2) + "\n").encode())
     if metrics_path is not None:
         raise_for_aggregation_errors(metrics_path)
-    if settings.require_complete and merged.successes < plan.planned:
-        # NeMo Gym 0.7's check_completion: after every file is written, successes only count.
-        raise RunRejectedError(
-            f"EVAL FAILED: {merged.successes}/{plan.planned} samples completed (require_complete=true). "
-            f"Partial artifacts retained at {rollouts_path}; rerun on the same output to resume"
-        )
+    if settings.require_complete and not result.complete:
+        # NeMo Gym 0.7's check_completion, after every file is written (the Python `require_complete=True`
+        # of collect / acollect / acollect_local sets the same setting).
+        raise incomplete_error(result)
     return result
 
 

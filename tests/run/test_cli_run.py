@@ -81,7 +81,9 @@ def _slow_run_args(tmp_path: Path, servers: ThreadedDeployment, out: Path, rows:
     ]
 
 
-def test_every_row_failing_against_a_dead_server_exits_3_with_the_resume_command(tmp_path: Path) -> None:
+def test_a_dead_server_stops_the_run_with_exit_4_naming_it_and_records_no_failure(tmp_path: Path) -> None:
+    # A server that never answers is an outage, not data: its rows are held back, then the run stops
+    # resumable after server_outage_timeout_s (exit 4), with nothing recorded as a failure (issue 15).
     ray_tmp = short_tmp()
     try:
         config = dead_config(tmp_path / "dead.yaml")
@@ -92,6 +94,7 @@ def test_every_row_failing_against_a_dead_server_exits_3_with_the_resume_command
             str(config),
             f"+input_jsonl_fpath={rows}",
             f"+output_dir={out}",
+            "++server_outage_timeout_s=3",
             "--workers",
             "1",
             "--no-health-check",
@@ -102,15 +105,13 @@ def test_every_row_failing_against_a_dead_server_exits_3_with_the_resume_command
         assert ray_sessions(ray_tmp) != []  # this run did start Ray (the control of the preflight tests)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert result.returncode == 3, result.stderr
-    assert result.stderr.splitlines() == [
-        f"gym-ray run: IncompleteRunError: run folder {out} is incomplete: 3 failed and 0 pending of 3 "
-        "planned rollouts (0 succeeded, 3 failed attempts); 3 would run again: run `gym-ray "
-        + " ".join(args)
-        + "` to resume"
-    ]
-    assert first_line(result.stdout).startswith("run ")
-    assert " 0 succeeded, 3 failed, 0 pending of 3 planned rollouts (3 failed attempts; " in result.stdout
+    assert result.returncode == 4, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("gym-ray run: ServerOutageError: environment server 'arith_env"), lines[0]
+    assert "server_outage_timeout_s=3" in lines[0]
+    assert "rerun on the same output_dir to resume" in lines[0]
+    assert sorted(p.name for p in out.glob("rollouts-*_failures.jsonl") if p.stat().st_size) == []
 
 
 def test_sigterm_stops_like_ctrl_c_exit_143_and_the_rerun_completes(
