@@ -173,7 +173,9 @@ def _check(entry: Entry) -> list[str]:
         if is_async != (entry.kind == "async def"):
             problems.append(f"{entry.name} is {'async' if is_async else 'not async'} in the code")
     signature = inspect.signature(obj)
-    real = list(signature.parameters.values())
+    # Ray adds ``_ray_trace_ctx`` to the methods of a class made remote while Ray's tracing hook is on
+    # (any earlier test in the same process may have done so): not part of gym_ray's signature.
+    real = [p for p in signature.parameters.values() if p.name != "_ray_trace_ctx"]
     if is_method and real and real[0].name in ("self", "cls"):
         real = real[1:]
     if shown.more:

@@ -25,6 +25,7 @@ from gym_ray.servers import (
     Deployment,
     ThreadedDeployment,
     bundled_dataset_path,
+    calc_config,
     load_bundled_config,
     serve_config,
     start_in_thread,
@@ -239,21 +240,7 @@ def test_the_cap_is_split_so_the_shares_sum_to_it() -> None:
 
 
 def _calc_config(*, faults: dict[str, Any] | None = None) -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "host": "127.0.0.1",
-        "port": 0,
-        "seed": 3,
-        "latency_ms": 1,
-        "latency_jitter_ms": 0,
-        "agent_server": {"type": "responses_api_agents", "name": "calc_agent"},
-    }
-    if faults:
-        env["faults"] = faults
-    return {
-        "head_server": {"host": "127.0.0.1", "port": 0},
-        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
-        "calc_env": {"environment_servers": {"example_env": env}},
-    }
+    return calc_config(seed=3, latency_ms=1, latency_jitter_ms=0, **({"faults": faults} if faults else {}))
 
 
 def _rows(n: int) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ __all__ = [
     "ThreadedDeployment",
     "bundled_config_path",
     "bundled_dataset_path",
+    "calc_config",
     "compute_aggregate_metrics",
     "load_bundled_config",
     "serve_config",
@@ -63,3 +64,22 @@ def load_bundled_config(name: str = "demo") -> dict[str, Any]:
                     if isinstance(fpath, str) and not Path(fpath).is_absolute():
                         entry["jsonl_fpath"] = str((path.parent / fpath).resolve())
     return dict(cfg)
+
+
+def calc_config(**env_fields: Any) -> dict[str, Any]:
+    """The smallest deployment: a head, one agent ``calc_agent`` and one environment server ``calc_env``.
+
+    Every port is 0 (:func:`serve_config` picks them). ``env_fields`` are set on ``calc_env``'s
+    ``example_env`` block (``seed``, ``latency_ms``, ``latency_jitter_ms``, ``faults``, ...). A test tool.
+
+    Example:
+        >>> async with serve_config(calc_config(seed=3, latency_ms=0)) as deployment:  # doctest: +SKIP
+        ...     ...
+    """
+    env: dict[str, Any] = {"host": "127.0.0.1", "port": 0, **env_fields}
+    env["agent_server"] = {"type": "responses_api_agents", "name": "calc_agent"}
+    return {
+        "head_server": {"host": "127.0.0.1", "port": 0},
+        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
+        "calc_env": {"environment_servers": {"example_env": env}},
+    }

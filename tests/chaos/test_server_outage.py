@@ -24,28 +24,13 @@ from gym_ray.errors import ServerOutageError
 from gym_ray.record.ledger import check_run
 from gym_ray.record.status import format_status, run_status
 from gym_ray.run.collect import acollect_local
-from gym_ray.servers import serve_config, start_in_thread
+from gym_ray.servers import calc_config, serve_config, start_in_thread
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _config(latency_ms: int) -> dict[str, Any]:
-    return {
-        "head_server": {"host": "127.0.0.1", "port": 0},
-        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
-        "calc_env": {
-            "environment_servers": {
-                "example_env": {
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "seed": 3,
-                    "latency_ms": latency_ms,
-                    "latency_jitter_ms": 0,
-                    "agent_server": {"type": "responses_api_agents", "name": "calc_agent"},
-                }
-            }
-        },
-    }
+    return calc_config(seed=3, latency_ms=latency_ms, latency_jitter_ms=0)
 
 
 def _rows(n: int) -> list[dict[str, Any]]:

@@ -18,27 +18,13 @@ from gym_ray.plan.resume import plan_resume
 from gym_ray.record.manifest import ShardManifest, ShardProgress
 from gym_ray.record.status import run_status
 from gym_ray.record.writer import ShardWriter
-from gym_ray.servers import Deployment, serve_config
+from gym_ray.servers import Deployment, calc_config, serve_config
 
 SHARD = "helper-0"
 
 
 def _config() -> dict[str, Any]:
-    return {
-        "head_server": {"host": "127.0.0.1", "port": 0},
-        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
-        "calc_env": {
-            "environment_servers": {
-                "example_env": {
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "seed": 3,
-                    "latency_ms": 0,
-                    "agent_server": {"type": "responses_api_agents", "name": "calc_agent"},
-                }
-            }
-        },
-    }
+    return calc_config(seed=3, latency_ms=0)
 
 
 def _rows(n: int, *, repeats: int = 1, fault_task: int | None = None) -> list[dict[str, Any]]:

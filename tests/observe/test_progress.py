@@ -15,7 +15,7 @@ from gym_ray import keys
 from gym_ray.errors import UsageError
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay, format_duration
 from gym_ray.run.collect import acollect_local
-from gym_ray.servers import Deployment, serve_config
+from gym_ray.servers import Deployment, calc_config, serve_config
 
 
 class FakeClock:
@@ -150,21 +150,7 @@ def test_counter_counts_successes_by_server_and_failures() -> None:
 
 
 def _config() -> dict[str, Any]:
-    return {
-        "head_server": {"host": "127.0.0.1", "port": 0},
-        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
-        "calc_env": {
-            "environment_servers": {
-                "example_env": {
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "seed": 3,
-                    "latency_ms": 0,
-                    "agent_server": {"type": "responses_api_agents", "name": "calc_agent"},
-                }
-            }
-        },
-    }
+    return calc_config(seed=3, latency_ms=0)
 
 
 @pytest.fixture

@@ -14,27 +14,13 @@ from gym_ray.config.run_config import resolve_run_config
 from gym_ray.plan.shards import prepare_run
 from gym_ray.record.status import run_status
 from gym_ray.run import collect
-from gym_ray.servers import Deployment, serve_config
+from gym_ray.servers import Deployment, calc_config, serve_config
 
 ROWS = 6
 
 
 def _config() -> dict[str, Any]:
-    return {
-        "head_server": {"host": "127.0.0.1", "port": 0},
-        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
-        "calc_env": {
-            "environment_servers": {
-                "example_env": {
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "seed": 3,
-                    "latency_ms": 0,
-                    "agent_server": {"type": "responses_api_agents", "name": "calc_agent"},
-                }
-            }
-        },
-    }
+    return calc_config(seed=3, latency_ms=0)
 
 
 @pytest.fixture

@@ -15,23 +15,11 @@ from typing import Any
 
 from gym_ray.record.ledger import check_run
 from gym_ray.run.collect import acollect_local
-from gym_ray.servers import serve_config
+from gym_ray.servers import calc_config, serve_config
 
 
 def _config() -> dict[str, Any]:
-    return {
-        "head_server": {"host": "127.0.0.1", "port": 0},
-        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
-        "calc_env": {
-            "environment_servers": {
-                "example_env": {
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "agent_server": {"type": "responses_api_agents", "name": "calc_agent"},
-                }
-            }
-        },
-    }
+    return calc_config()
 
 
 def _rows(n: int) -> list[dict[str, Any]]:
