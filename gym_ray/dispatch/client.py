@@ -44,6 +44,7 @@ import aiohttp
 import aiohttp.connector
 from yarl import URL
 
+from gym_ray import keys
 from gym_ray.dispatch._http import BODY_EXCERPT_CHARS as BODY_EXCERPT_CHARS
 from gym_ray.dispatch._http import (
     CONNECT_ERRORS,
@@ -73,7 +74,6 @@ __all__ = [
 
 logger = logging.getLogger("gym_ray.dispatch.client")
 
-_REPLAYABLE_STATUSES = frozenset({429, 502, 503, 504})
 _RETRY_AFTER_STATUSES = frozenset({429, 503})
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
 _URL_CACHE_MAX = 4096
@@ -581,7 +581,7 @@ class ServerClient:
             if failure is None:
                 retry_after_s = parse_retry_after(retry_after_raw, self._clock())
                 if not (
-                    replay and status in _REPLAYABLE_STATUSES and request_retries < self._max_request_retries
+                    replay and status in keys.GATEWAY_STATUSES and request_retries < self._max_request_retries
                 ):
                     excerpt = excerpt_of(payload)
                     raise ServerHTTPError(

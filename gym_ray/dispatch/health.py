@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gym_ray import keys
 from gym_ray.errors import (
     ServerConnectionError,
     ServerHTTPError,
@@ -59,7 +60,7 @@ __all__ = [
 logger = logging.getLogger("gym_ray.dispatch.health")
 
 #: Statuses that say the server did not handle the request: retried apart from rollout attempts.
-INFRA_STATUSES = frozenset({429, 502, 503, 504})
+INFRA_STATUSES = keys.GATEWAY_STATUSES
 #: Statuses that count towards "the server looks down" (429 is an answer from a live server).
 DOWN_STATUSES = frozenset({502, 503, 504})
 

@@ -59,12 +59,10 @@ from gym_ray.errors import (
     ActorLostError,
     InternalError,
     NoProgressError,
-    ServerOutageError,
     UsageError,
 )
 from gym_ray.observe.tracing import ATTR_RUN_ID, Tracer, current_traceparent, job_span, setup_tracing
-from gym_ray.record.outage_note import clear_outage, write_outage
-from gym_ray.record.run_lock import RunLock, sweep_leftovers
+from gym_ray.record.run_lock import holding_run_folder
 from gym_ray.run.preflight import preflight
 from gym_ray.run.signals import run_until_signal
 
@@ -517,39 +515,46 @@ async def acollect(
     run_dir = str(Path(str(run_settings.output_dir)))
     tracer = setup_tracing(run.tracing)
     show = sys.stderr.isatty() if progress is None else progress
-    lock = RunLock(run_dir, what="collect").acquire()  # before Ray starts: a busy folder is refused at once
-    view = ProgressView(stream=sys.stderr, enabled=True, interval_s=progress_every_s) if show else None
+    # Held before Ray starts: a busy folder is refused at once.
+    with holding_run_folder(run_dir, what="collect"):
+        view = ProgressView(stream=sys.stderr, enabled=True, interval_s=progress_every_s) if show else None
+        return await _collect_on_ray(run, row_list, address, num_workers, started, tracer, view)
+
+
+async def _collect_on_ray(
+    run: RunConfig,
+    row_list: list[dict[str, Any]] | None,
+    address: str | None,
+    num_workers: int | None,
+    started: float,
+    tracer: Tracer | None,
+    view: ProgressView | None,
+) -> RunResult:
+    """The part of :func:`acollect` that runs while it holds the run folder: Ray, the actors, the flush."""
+    run_dir = str(Path(str(run.settings.output_dir)))
     try:
-        sweep_leftovers(run_dir)  # temp folders of a killed run on this folder
         async with ray_connection(address) as ray:
-            workers = num_workers or run_settings.num_workers or default_num_workers(ray)
+            workers = num_workers or run.settings.num_workers or default_num_workers(ray)
             rows_ref = ray.put(row_list) if row_list is not None else None
             planner = functools.partial(plan_from_config, run, rows_ref, workers)
             with job_span(tracer, run_dir=run_dir) as span:
-                try:
-                    result = await run_actors(
-                        run,
-                        planner,
-                        run_dir=run_dir,
-                        num_workers=workers,
-                        started_at=started,
-                        traceparent=current_traceparent() if span is not None else None,
-                        on_progress=view,
-                    )
-                except ServerOutageError as exc:
-                    write_outage(run_dir, exc)  # for `status`: why the run is unfinished
-                    raise
-                clear_outage(run_dir)
+                result = await run_actors(
+                    run,
+                    planner,
+                    run_dir=run_dir,
+                    num_workers=workers,
+                    started_at=started,
+                    traceparent=current_traceparent() if span is not None else None,
+                    on_progress=view,
+                )
                 if span is not None:
                     span.set_attribute(ATTR_RUN_ID, result.run_id)
     finally:
         try:
             await _flush(tracer)  # the job span is exported when collect returns or raises
         finally:
-            lock.release()
             if view is not None:
                 view.close()
-
     return result
 
 

@@ -22,6 +22,7 @@ support two hosts are not kept apart (local disks, Lustre/GPFS with flock enable
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -30,12 +31,14 @@ import os
 import re
 import shutil
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
-from gym_ray.errors import RecordError, RunLockError
+from gym_ray.errors import RecordError, RunLockError, ServerOutageError
+from gym_ray.record.outage_note import clear_outage, write_outage
 
-__all__ = ["RUN_LOCK_FILE", "RunLock", "sweep_leftovers"]
+__all__ = ["RUN_LOCK_FILE", "RunLock", "holding_run_folder", "sweep_leftovers"]
 
 logger = logging.getLogger("gym_ray.record.run_lock")
 
@@ -185,3 +188,22 @@ def _read_holder(fd: int) -> str:
         )
     except (OSError, ValueError, AttributeError):
         return "holder unknown"
+
+
+@contextlib.contextmanager
+def holding_run_folder(run_dir: str | os.PathLike[str], *, what: str) -> Iterator[None]:
+    """Hold ``run_dir`` for one collection: its run lock, a sweep of a killed run's temp folders, and the
+    outage note (written when a :class:`~gym_ray.errors.ServerOutageError` leaves the block, removed when
+    the block completes).
+
+    Raises:
+        RunLockError: Another run holds the folder (at entry, before anything is planned or sent).
+    """
+    with RunLock(run_dir, what=what):
+        sweep_leftovers(run_dir)  # temp folders of a killed run on this folder
+        try:
+            yield
+        except ServerOutageError as exc:
+            write_outage(run_dir, exc)  # for `status`: why the run is unfinished
+            raise
+        clear_outage(run_dir)

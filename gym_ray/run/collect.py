@@ -29,14 +29,13 @@ from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.engine import dispatch
 from gym_ray.dispatch.health import ServerHealth, current_health, health_scope
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
-from gym_ray.errors import NoProgressError, ServerOutageError
+from gym_ray.errors import NoProgressError
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
 from gym_ray.observe.tracing import job_span, run_scope, setup_tracing
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.plan.shards import DEFAULT_SHARD_SIZE, RunPlan, ShardSpec, input_rows, plan_run, prepare_run
-from gym_ray.record.outage_note import clear_outage, write_outage
-from gym_ray.record.run_lock import RunLock, sweep_leftovers
+from gym_ray.record.run_lock import holding_run_folder
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error
 from gym_ray.run.finalize import finalize_run
@@ -368,14 +367,8 @@ async def acollect_local(
     if run.settings.output_dir is None:
         result = await _collect_locked(run, rows, progress, started)
     else:
-        with RunLock(run.settings.output_dir, what="collect"):
-            sweep_leftovers(run.settings.output_dir)  # temp folders of a killed run on this folder
-            try:
-                result = await _collect_locked(run, rows, progress, started)
-            except ServerOutageError as exc:
-                write_outage(run.settings.output_dir, exc)  # for `status`: why the run is unfinished
-                raise
-            clear_outage(run.settings.output_dir)
+        with holding_run_folder(run.settings.output_dir, what="collect"):
+            result = await _collect_locked(run, rows, progress, started)
     return result
 
 
