@@ -158,16 +158,18 @@ async def resolve_run_config(
         return config.with_settings(**settings) if settings else config
     cfg, referenced = _merge(config, overrides=overrides, settings=settings)
     check_run_keys(cfg, referenced)
-    RunSettings.from_config(cfg)
-    TracingSettings.from_config(cfg)
+    # Parsed here, before any network call, so that a typo fails at once; kept when no head is asked.
+    settings_parsed = RunSettings.from_config(cfg)
+    tracing = TracingSettings.from_config(cfg)
     local = Topology.from_config(cfg)
+    own = RunConfig(settings=settings_parsed, topology=local, tracing=tracing)
     if local.head_url is None:
-        return RunConfig.from_dict(cfg)
+        return own
     if local.head_url.endswith(":0"):
         # Port 0 is a config to serve (`gym-ray serve` picks the ports), not the address of a running head:
         # its own server blocks are the run's (the preflight refuses their port 0 by instance name).
         if local.instances:
-            return RunConfig.from_dict(cfg)
+            return own
         raise ConfigError(
             "config key 'head_server.port' is 0, which names no running head server; pass the head's real "
             "port (`gym-ray serve CONFIG` prints it and writes gym-ray-run.yaml with it)",
