@@ -151,13 +151,25 @@ exit 0
 """
 
 
+# A real run lasts long enough for the background worker steps to start; the stand-in waits (up to 10 s)
+# until both have logged, or the script's exit trap could kill one before it writes its line.
+_FAKE_GYM_RAY = """#!/bin/bash
+for _ in $(seq 1 200); do
+    if (( $(grep -c -- '--address=.* --block' "$FAKE_LOG") >= 2 )); then break; fi
+    sleep 0.05
+done
+printf '%s\\n' "$(basename "$0") $*" >> "$FAKE_LOG"
+exit 0
+"""
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_slurm_script_starts_head_then_workers_then_runs(tmp_path: Path) -> None:
     # Slurm and Ray daemons are not available here: stand-ins on PATH record how the script calls them.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("scontrol", "srun", "ray", "gym-ray"):
-        (bin_dir / tool).write_text(_FAKE_TOOL)
+        (bin_dir / tool).write_text(_FAKE_GYM_RAY if tool == "gym-ray" else _FAKE_TOOL)
         (bin_dir / tool).chmod(0o755)
     log = tmp_path / "calls.log"
     config = tmp_path / "run.yaml"
