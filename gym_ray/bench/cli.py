@@ -17,6 +17,7 @@ SCENARIOS = (
     "collect-memory",
     "plan-memory",
     "ray-vs-local",
+    "pipeline",
 )
 
 
@@ -40,6 +41,9 @@ def bench_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="rollouts (dispatch, record, tracing, latency: 20000; merge: 1000000)",
+    )
+    parser.add_argument(
+        "--rows", type=int, default=20000, help="pipeline: generated input rows (default 20000)"
     )
     parser.add_argument("--shards", type=int, default=64, help="merge: shard files merged")
     parser.add_argument("--concurrency", type=int, default=256, help="requests in flight")
@@ -87,6 +91,10 @@ def bench_main(args: argparse.Namespace) -> int:
 
         sizes = args.sizes if args.sizes != (100_000, 1_000_000) else (2000, 20000)
         result = run_ray_vs_local_bench(sizes, workers=args.workers)
+    elif args.scenario == "pipeline":
+        from gym_ray.bench.pipeline import run_pipeline_bench
+
+        result = run_pipeline_bench(args.rows, args.concurrency)
     elif args.scenario == "merge":
         from gym_ray.bench.merge_bench import run_merge_bench
 

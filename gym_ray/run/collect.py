@@ -41,6 +41,7 @@ from gym_ray.run._tasks import first_error
 from gym_ray.run.finalize import finalize_run
 from gym_ray.run.preflight import preflight
 from gym_ray.run.result import RunResult, ShardReport
+from gym_ray.run.stage_cpu import current_stage_cpu, measuring, stage_cpu_scope
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -133,6 +134,7 @@ async def _run_shard(
     succeeded = failed = omitted = 0
     latency_sum_ms = 0.0
     histogram = [0] * latency.NUM_BUCKETS
+    stage_cpu = current_stage_cpu()  # None unless a benchmark measures the stages
     try:
         plan = plan_resume(
             spec.run_dir,
@@ -170,11 +172,15 @@ async def _run_shard(
                 unwatch = health.watch(keep_alive)
                 async for row, outcome in completions:
                     watchdog.reschedule(loop.time() + stall_s)
+                    if stage_cpu is not None:
+                        record_started = time.thread_time()
                     record = record_of(row, outcome)
                     if isinstance(outcome, CompletedRollout) and outcome.rollout_latency_ms is not None:
                         latency_sum_ms += outcome.rollout_latency_ms
                         histogram[latency.bucket_of(outcome.rollout_latency_ms)] += 1
                     written = writer.append(record)
+                    if stage_cpu is not None:
+                        stage_cpu.add("record", time.thread_time() - record_started)
                     if written is None:
                         omitted += 1
                     elif keys.FAILURE_CLASS in record:
@@ -362,20 +368,22 @@ async def acollect_local(
     started = time.monotonic()
     if require_complete:
         settings = {**settings, "require_complete": True}  # finalize_run raises when the run is incomplete
-    run = await resolve_run_config(config, overrides=overrides, settings=settings)
-    await preflight(run, rows=rows)
-    if run.settings.output_dir is None:
-        result = await _collect_locked(run, rows, progress, started)
-    else:
-        with holding_run_folder(run.settings.output_dir, what="collect"):
+    with stage_cpu_scope():  # off unless GYM_RAY_STAGE_CPU_FILE is set (gym-ray bench pipeline)
+        run = await resolve_run_config(config, overrides=overrides, settings=settings)
+        await preflight(run, rows=rows)
+        if run.settings.output_dir is None:
             result = await _collect_locked(run, rows, progress, started)
+        else:
+            with holding_run_folder(run.settings.output_dir, what="collect"):
+                result = await _collect_locked(run, rows, progress, started)
     return result
 
 
 async def _collect_locked(
     run: RunConfig, rows: Iterable[Mapping[str, Any]] | None, progress: bool | None, started: float
 ) -> RunResult:
-    plan = await asyncio.to_thread(prepare_run, run, rows=rows)
+    with measuring("plan"):
+        plan = await asyncio.to_thread(prepare_run, run, rows=rows)
     specs = iter(plan.shards)
 
     async def next_spec() -> ShardSpec | None:
@@ -392,7 +400,7 @@ async def _collect_locked(
                     async with health_for(run, client) as health:
                         unwatch = health.watch(lambda: display.set_note(health.summary()))
                         try:
-                            with health_scope(health):
+                            with health_scope(health), measuring("dispatch"):
                                 reports = await run_shards(
                                     next_spec,
                                     client=client,

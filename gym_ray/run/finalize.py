@@ -29,6 +29,7 @@ from gym_ray.record.atomic import atomic_write_bytes
 from gym_ray.record.merge import merge_shards
 from gym_ray.record.nemo_layout import publish_nemo_gym_layout
 from gym_ray.run.result import SUMMARY_FILE, RunResult, ShardReport
+from gym_ray.run.stage_cpu import measuring
 
 __all__ = ["finalize_run", "incomplete_error"]
 
@@ -57,7 +58,8 @@ async def finalize_run(
     reports = list(reports)
     settings = run.settings
     root = Path(plan.run_dir)
-    merged = await asyncio.to_thread(merge_shards, root)
+    with measuring("merge"):
+        merged = await asyncio.to_thread(merge_shards, root)
     settled = merged.successes + merged.terminal_failures
     rows = await asyncio.to_thread(_row_counts, plan, settings)
     if settings.strict:
@@ -68,11 +70,12 @@ async def finalize_run(
             made_progress=any(r.succeeded or r.failed for r in reports),
             strict=True,
         )
-    metrics_path = (
-        None
-        if settings.disable_aggregation
-        else await aggregate_run(root, run.topology, client, raise_on_error=False)
-    )
+    with measuring("aggregate"):
+        metrics_path = (
+            None
+            if settings.disable_aggregation
+            else await aggregate_run(root, run.topology, client, raise_on_error=False)
+        )
     entries = read_metrics_summary(metrics_path) if metrics_path else []
     key_metrics = {e["_ng_environment_server"]: e.get("key_metrics", {}) for e in entries}
     errors = {
