@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -41,7 +41,7 @@ from gym_ray.plan.load import load_jsonl
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
 from gym_ray.plan.run_manifest import RUN_MANIFEST, open_run, read_run_manifest, write_run_manifest
 from gym_ray.plan.validation import validate_rows
-from gym_ray.record.manifest import ShardManifest
+from gym_ray.record.manifest import AttemptPlanEntry, ShardManifest
 from gym_ray.record.writer import ShardWriter
 
 #: Largest automatic shard (rows); also the shard size of a plan cut without a known worker count.
@@ -307,8 +307,17 @@ def _shard_count_error(root: Path, expected: int, got: int | str) -> ResumeError
     )
 
 
-def _stage_shards(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Iterator[tuple[str, int, str]]:
-    """Write each shard's rows to ``staging``; yields (label, rows, sha256) once a shard is closed."""
+class _Staged(NamedTuple):
+    """One shard cut into the staging folder: what its manifest needs, without reading the file back."""
+
+    label: str
+    num_rows: int
+    digest: str  # sha256 of the bytes written
+    attempt_plan: list[AttemptPlanEntry]
+
+
+def _stage_shards(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Iterator[_Staged]:
+    """Write each shard's rows to ``staging``; yields each shard once it is closed."""
     try:
         yield from _stage_rows(rows, staging, size)
     except OSError as exc:
@@ -317,24 +326,25 @@ def _stage_shards(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> I
         raise
 
 
-def _stage_rows(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Iterator[tuple[str, int, str]]:
+def _stage_rows(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Iterator[_Staged]:
     index = 0
-    count = 0
     last_task: Any = object()
     digest = hashlib.sha256()
+    plan: list[AttemptPlanEntry] = []
     out = None
     try:
         for position, row in enumerate(rows):
             task = row.get(keys.TASK_INDEX)
-            if out is not None and count >= size and task != last_task:
+            if out is not None and len(plan) >= size and task != last_task:
                 out.close()
                 out = None
-                yield (_shard_label(index), count, digest.hexdigest())
-                index, count = index + 1, 0
+                yield _Staged(_shard_label(index), len(plan), digest.hexdigest(), plan)
+                index, plan = index + 1, []
             if out is None:
                 out = open(staging / f"{_shard_label(index)}.jsonl", "wb")
                 digest = hashlib.sha256()
-            if not isinstance(task, int) or not isinstance(row.get(keys.ROLLOUT_INDEX), int):
+            rollout = row.get(keys.ROLLOUT_INDEX)
+            if type(task) is not int or type(rollout) is not int:
                 raise UsageError(
                     f"row {position} has no integer {keys.TASK_INDEX}/{keys.ROLLOUT_INDEX}; "
                     "pass rows through preprocess_examples before planning a run"
@@ -342,19 +352,20 @@ def _stage_rows(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Ite
             line = _row_line(row)
             out.write(line)
             digest.update(line)
-            count += 1
+            attempt = row.get(keys.ATTEMPT_INDEX)  # as ShardManifest.build reads it back
+            plan.append((task, rollout, attempt if type(attempt) is int else 0))
             last_task = task
         if out is not None:
             out.close()
             out = None
-            yield (_shard_label(index), count, digest.hexdigest())
+            yield _Staged(_shard_label(index), len(plan), digest.hexdigest(), plan)
     finally:
         if out is not None:
             out.close()
 
 
 def _commit_shard(
-    staged: tuple[str, int, str],
+    staged: _Staged,
     staging: Path,
     root: Path,
     *,
@@ -364,7 +375,7 @@ def _commit_shard(
     run_rows: int | None = None,
 ) -> ShardSpec:
     """Move one staged shard into place (or, on resume, check the existing one is identical)."""
-    label, num_rows, digest = staged
+    label, num_rows, digest = staged.label, staged.num_rows, staged.digest
     writer = ShardWriter(root, label, run_id=run_id, config_identity=config_identity)
     inputs_path = writer.paths.materialized_inputs
     staged_path = staging / f"{label}.jsonl"
@@ -381,11 +392,12 @@ def _commit_shard(
         os.replace(staged_path, inputs_path)
         with writer:
             writer.write_manifest(
-                ShardManifest.build(
+                ShardManifest.of_plan(
                     run_id=run_id,
                     shard=label,
                     config_identity=config_identity,
-                    inputs_path=inputs_path,
+                    inputs_digest=digest,
+                    attempt_plan=staged.attempt_plan,
                     max_rollout_attempts=max_rollout_attempts,
                 )
             )
@@ -454,6 +466,7 @@ def input_rows(
             responses_create_params=settings.responses_create_params,
             topology=topology,
             task_numbering=task_numbering,
+            from_json=rows is None,  # rows parsed here from the input file, seen by nobody else
         )
 
     return preprocessed

@@ -7,9 +7,10 @@ atomically by :class:`~gym_ray.record.writer.ShardWriter`; :func:`read_manifest`
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -25,9 +26,13 @@ from gym_ray.record.shard_files import (
     shard_paths,
 )
 
-__all__ = ["ShardManifest", "ShardProgress", "build_manifest", "read_manifest"]
+__all__ = ["AttemptPlanEntry", "ShardManifest", "ShardProgress", "build_manifest", "read_manifest"]
+
+#: ``(task_index, rollout_index, attempt_index)`` of one materialized row.
+AttemptPlanEntry = tuple[int, int, int]
 
 
+@functools.cache
 def _gym_ray_version() -> str:
     try:
         return metadata.version("gym-ray")
@@ -93,7 +98,7 @@ class ShardManifest(BaseModel):
                 path=str(path),
             )
         digest = file_sha256(path)
-        plan: list[tuple[int, int, int]] = []
+        plan: list[AttemptPlanEntry] = []
         for line_no, row in JsonlReader(path, strict=True):
             identity = record_identity(row)
             if identity is None:
@@ -110,16 +115,52 @@ class ShardManifest(BaseModel):
                 own = row.get(keys.ATTEMPT_INDEX)
                 attempt = own if type(own) is int else 0
             plan.append((identity[0], identity[1], attempt))
-        return cls(
+        return cls.of_plan(
             run_id=run_id,
             shard=shard,
             config_identity=config_identity,
             inputs_digest=digest,
-            num_rows=len(plan),
+            attempt_plan=plan,
+            max_rollout_attempts=max_rollout_attempts,
+            clock=clock,
+        )
+
+    @classmethod
+    def of_plan(
+        cls,
+        *,
+        run_id: str,
+        shard: str,
+        config_identity: str | None,
+        inputs_digest: str,
+        attempt_plan: Sequence[AttemptPlanEntry],
+        max_rollout_attempts: int = 3,
+        clock: Callable[[], float] = time.time,
+    ) -> ShardManifest:
+        """The manifest of inputs whose digest and attempt plan the caller already has.
+
+        For a writer of the inputs (planning cuts each shard and knows every row's identity and the sha256
+        of the bytes it wrote), so the file is not read back: the result equals :meth:`build` of that file.
+
+        Args:
+            run_id: The run's id.
+            shard: The shard label.
+            config_identity: The config's identity digest, or None.
+            inputs_digest: The sha256 hex digest of the materialized inputs file.
+            attempt_plan: ``(task_index, rollout_index, attempt_index)`` per materialized row, in file order.
+            max_rollout_attempts: The attempt cap resume applies.
+            clock: Source of ``created_at``.
+        """
+        return cls(
+            run_id=run_id,
+            shard=shard,
+            config_identity=config_identity,
+            inputs_digest=inputs_digest,
+            num_rows=len(attempt_plan),
             max_rollout_attempts=max_rollout_attempts,
             created_at=clock(),
             gym_ray_version=_gym_ray_version(),
-            attempt_plan=tuple(plan),
+            attempt_plan=tuple(attempt_plan),
         )
 
 

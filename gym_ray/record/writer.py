@@ -133,6 +133,7 @@ class ShardWriter:
         self._dirty: set[Path] = set()
         self._since_sync = 0
         self._planned: int | None = None
+        self._count_planned = False  # the inputs file existed at open: count its rows when first asked
         self._succeeded: set[Identity] = set()
         self._unkeyed_successes = 0
         self._failed: Counter[str] = Counter()
@@ -288,7 +289,7 @@ class ShardWriter:
                         handle.write(line)
             except OSError as exc:
                 raise self._fail(f"writing {self.paths.materialized_inputs}", exc) from exc
-        self._planned = count
+        self._planned, self._count_planned = count, False
         return digest.hexdigest()
 
     def write_manifest(self, manifest: ShardManifest) -> None:
@@ -309,6 +310,10 @@ class ShardWriter:
 
     def progress(self) -> ShardProgress:
         """The shard's counts as they stand (what :meth:`write_progress` writes)."""
+        if self._count_planned:
+            # Counted on first use, not at open: opening to write a manifest or append never needs it.
+            self._planned = sum(1 for _ in JsonlReader(self.paths.materialized_inputs))
+            self._count_planned = False
         return ShardProgress(
             run_id=self.run_id,
             shard=self.shard,
@@ -456,9 +461,7 @@ class ShardWriter:
         for _, record in JsonlReader(self.paths.failures):
             failure_class = record.get(keys.FAILURE_CLASS)
             self._count(record, omitted=bool(record.get(keys.NO_PERSIST)), failure_class=failure_class)
-        if self.paths.materialized_inputs.exists():
-            reader = JsonlReader(self.paths.materialized_inputs)
-            self._planned = sum(1 for _ in reader)
+        self._count_planned = self.paths.materialized_inputs.exists()
 
     def _count(self, record: dict[str, Any], *, omitted: bool, failure_class: Any) -> None:
         if omitted:
