@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import orjson
 
 from gym_ray.errors import InputError
 from gym_ray.plan.rows import (
@@ -65,6 +67,33 @@ _STRICT_DECODER = json.JSONDecoder(
 )
 _LENIENT_DECODER = json.JSONDecoder()
 
+_BOM = b"\xef\xbb\xbf"
+#: Not a row: the line needs the ``json`` decoder (its errors name the problem).
+_SLOW = object()
+
+
+def _fast_decode(content: bytes, strict_json: bool) -> Any:
+    """The line parsed by orjson where that provably equals what the ``json`` decoder gives, else _SLOW.
+
+    orjson refuses invalid UTF-8, ``NaN`` / ``Infinity``, numbers that overflow and lone surrogates (the
+    ``json`` path then reports them or, lenient, reads them) and keeps the last of duplicate keys, as
+    ``json`` does. It reads integers past 63 bits as floats, which it writes back as ``<digits>e18`` or
+    larger exponents: a re-encoded line holding ``e1``, ``e2`` or ``e3`` goes to ``json``. Strict mode
+    refuses duplicate keys: each key-value pair has one colon outside strings, and re-encoding drops
+    nothing but duplicates (and what they held) while copying every string's colons, so the colon count
+    falls exactly when a key repeats. A ``\\u003a`` escape (a colon not written as one) goes to ``json``.
+    """
+    try:
+        row = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return _SLOW
+    again = orjson.dumps(row)
+    if b"e1" in again or b"e2" in again or b"e3" in again:
+        return _SLOW  # maybe an integer orjson read as a float
+    if strict_json and (b"\\u003" in content or content.count(b":") != again.count(b":")):
+        return _SLOW  # maybe a repeated key: the json decoder names it
+    return row
+
 
 def load_jsonl(
     path: str | os.PathLike[str], *, max_line_bytes: int = MAX_LINE_BYTES, strict_json: bool = True
@@ -117,23 +146,33 @@ def load_jsonl(
                 raise fail(
                     f"line is longer than max_line_bytes={max_line_bytes}; split the row or raise the limit"
                 )
-            try:
-                text = content.decode("utf-8-sig" if line_no == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise fail(
-                    f"not valid UTF-8 (byte 0x{content[exc.start]:02x} at offset {exc.start}); "
-                    "re-encode the file as UTF-8"
-                ) from exc
-            if not text.strip():
-                raise fail("blank line; every line must hold one JSON object (remove the blank line)")
-            try:
-                row = decoder.decode(text)
-            except json.JSONDecodeError as exc:
-                excerpt = text.strip()[:80]
-                raise fail(f"malformed JSON ({exc.msg} at column {exc.colno}): {excerpt!r}") from exc
-            except _StrictJsonProblem as exc:
-                raise fail(str(exc)) from exc
+            fast = content[3:] if line_no == 1 and content.startswith(_BOM) else content
+            row = _fast_decode(fast, strict_json)
+            if row is _SLOW:
+                row = _slow_decode(content, line_no, decoder, fail)
             problem = shape_problem(row)
             if problem is not None:
                 raise fail(f"the row {problem}")
             yield row
+
+
+def _slow_decode(
+    content: bytes, line_no: int, decoder: json.JSONDecoder, fail: Callable[[str], InputError]
+) -> Any:
+    """A line through the ``json`` decoder: the value, or the InputError ``fail`` builds naming it."""
+    try:
+        text = content.decode("utf-8-sig" if line_no == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail(
+            f"not valid UTF-8 (byte 0x{content[exc.start]:02x} at offset {exc.start}); "
+            "re-encode the file as UTF-8"
+        ) from exc
+    if not text.strip():
+        raise fail("blank line; every line must hold one JSON object (remove the blank line)")
+    try:
+        return decoder.decode(text)
+    except json.JSONDecodeError as exc:
+        excerpt = text.strip()[:80]
+        raise fail(f"malformed JSON ({exc.msg} at column {exc.colno}): {excerpt!r}") from exc
+    except _StrictJsonProblem as exc:
+        raise fail(str(exc)) from exc

@@ -37,13 +37,15 @@ Row = dict[str, Any]
 
 def is_materialized_row(row: Mapping[str, Any]) -> bool:
     """True for a materialized task row: ``task_id`` is an object and ``task_input`` is present."""
-    return isinstance(row.get(keys.TASK_ID), Mapping) and keys.TASK_INPUT in row
+    task_id = row.get(keys.TASK_ID)
+    # dict first: a plain dict skips the ABC check (these run several times per row while planning)
+    return task_id is not None and isinstance(task_id, dict | Mapping) and keys.TASK_INPUT in row
 
 
 def agent_of(row: Mapping[str, Any]) -> str | None:
     """``agent_ref.name`` when it is a non-empty string, else None."""
     ref = row.get(keys.AGENT_REF)
-    name = ref.get("name") if isinstance(ref, Mapping) else None
+    name = ref.get("name") if isinstance(ref, dict | Mapping) else None
     return name if isinstance(name, str) and name else None
 
 
@@ -72,7 +74,7 @@ def where(pos: int, row: Mapping[str, Any]) -> str:
 
 def shape_problem(row: Any) -> str | None:
     """What makes ``row`` unusable as a row, or None."""
-    if not isinstance(row, Mapping):
+    if not isinstance(row, dict | Mapping):
         return f"is a JSON {type(row).__name__}, not an object"
     if is_materialized_row(row):
         task_id = row[keys.TASK_ID]
@@ -88,7 +90,7 @@ def shape_problem(row: Any) -> str | None:
             "has no 'responses_create_params' (a flat row needs it; a materialized task row needs "
             "'task_id' and 'task_input' instead)"
         )
-    if not isinstance(row[keys.RESPONSES_CREATE_PARAMS], Mapping):
+    if not isinstance(row[keys.RESPONSES_CREATE_PARAMS], dict | Mapping):
         return "has a 'responses_create_params' that is not an object"
     return None
 

@@ -201,7 +201,7 @@ class _Validator:
 
     def check(self, pos: int, row: Mapping[str, Any]) -> None:
         topo = self.topology
-        if not isinstance(row, Mapping):
+        if not isinstance(row, dict | Mapping):
             self.names.add(f"the row is a {type(row).__name__}, not an object", pos)
             return
         materialized, agent = is_materialized_row(row), agent_of(row)
