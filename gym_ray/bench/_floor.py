@@ -3,9 +3,10 @@
 ``python _floor.py URL INPUT OUTPUT CONCURRENCY`` reads ``INPUT`` (JSONL) one line at a time, POSTs each
 row (parsed, then encoded again, as any client must) to ``URL`` with ``CONCURRENCY`` requests in flight
 over one session (connector ``limit`` = concurrency), parses each reply and appends it as one line to
-``OUTPUT``, and prints ``{"done": replies, "startup_cpu_s": CPU spent before the loop began}`` as
-JSON. Nothing else: no validation, no numbering, no locks, no fsync, no merge. It imports nothing from
-gym_ray (run it by path), so its CPU and memory are the loop's.
+``OUTPUT``, and prints ``{"done": replies, "startup_cpu_s": CPU spent before the loop began,
+"peak_rss_mb": its own peak RSS (VmHWM)}`` as JSON. Nothing else: no validation, no numbering, no locks,
+no fsync, no merge. It imports nothing from gym_ray (run it by path), so its CPU and memory are the
+loop's.
 """
 
 from __future__ import annotations
@@ -45,9 +46,18 @@ async def floor_loop(url: str, rows: IO[bytes], out: IO[str], concurrency: int) 
     return done
 
 
+def _peak_rss_mb() -> float:
+    """Own peak RSS in MB: Linux ``VmHWM`` (``ru_maxrss`` would carry the parent's size across exec)."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError("no VmHWM in /proc/self/status: the floor loop measures memory on Linux only")
+
+
 if __name__ == "__main__":
     startup_cpu_s = time.process_time()
     url, input_path, output_path, concurrency = sys.argv[1:5]
     with open(input_path, "rb") as rows, open(output_path, "w", encoding="utf-8") as out:
         done = asyncio.run(floor_loop(url, rows, out, int(concurrency)))
-    print(json.dumps({"done": done, "startup_cpu_s": startup_cpu_s}))
+    print(json.dumps({"done": done, "startup_cpu_s": startup_cpu_s, "peak_rss_mb": _peak_rss_mb()}))

@@ -11,10 +11,11 @@ two child processes one after the other, each measured from the outside:
   :data:`~gym_ray.run.stage_cpu.STAGE_CPU_ENV` set so the run writes its CPU per stage
   (:mod:`gym_ray.run.stage_cpu`).
 
-Each child's CPU (user + system) and peak resident set size come from ``os.wait4`` on it: exact, and
-including every process it started and waited for (the merge's sort pool); the peak is that of the
-largest single process. ``cpu_us_per_rollout`` divides the whole command's CPU (interpreter start-up and
-imports included) by the rows; ``startup_cpu_s`` is the CPU each child had spent when its work began, so
+Each child's CPU (user + system) comes from ``os.wait4`` on it: exact, and including every process it
+started and waited for (the merge's sort pool). Its peak resident set size is its own ``VmHWM``, which it
+reports (``wait4``'s ``ru_maxrss`` is not used: Linux carries the parent's size at fork across ``exec``).
+``cpu_us_per_rollout`` divides the whole command's CPU (interpreter start-up and imports included) by the
+rows; ``startup_cpu_s`` is the CPU each child had spent when its work began, so
 ``work_cpu_us_per_rollout`` leaves start-up out. The stage split holds ``startup`` (interpreter, imports,
 argument parsing and config, before the run began), the run's stages, and ``other``: what no stage holds
 (preflight, the run's closing counts and summary, the wait for the child processes). Figures depend on
@@ -42,15 +43,13 @@ from gym_ray.run.stage_cpu import STAGE_CPU_ENV, STAGES
 
 __all__ = ["measure_child", "run_pipeline_bench"]
 
-_KIB_PER_MB = 1024.0
-
 
 def measure_child(command: list[str], *, env: dict[str, str], cwd: Path) -> dict[str, Any]:
-    """Run ``command`` to completion; its exact CPU, wall time and peak RSS from ``os.wait4``.
+    """Run ``command`` to completion; its exact CPU and wall time from ``os.wait4``.
 
     Returns:
-        ``{"wall_s", "cpu_s", "peak_rss_mb", "stdout"}`` (``cpu_s`` = user + system of the child and of
-        every process it waited for; ``peak_rss_mb`` = the largest of their peaks).
+        ``{"wall_s", "cpu_s", "stdout"}`` (``cpu_s`` = user + system of the child and of every process it
+        waited for).
 
     Raises:
         RuntimeError: The command exited non-zero (its last stderr lines are in the message).
@@ -70,7 +69,6 @@ def measure_child(command: list[str], *, env: dict[str, str], cwd: Path) -> dict
     return {
         "wall_s": round(wall, 3),
         "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
-        "peak_rss_mb": round(usage.ru_maxrss / _KIB_PER_MB, 1),
         "stdout": stdout,
     }
 
@@ -117,6 +115,7 @@ def run_pipeline_bench(rows: int = 20000, concurrency: int = 256) -> dict[str, A
         if floor_report["done"] != rows:
             raise RuntimeError(f"the floor loop finished {floor_report['done']} of {rows} rows")
         floor["startup_cpu_s"] = round(floor_report["startup_cpu_s"], 3)
+        floor["peak_rss_mb"] = round(floor_report["peak_rss_mb"], 1)
         stage_file = folder / "stage_cpu.json"
         run_dir = folder / "run"
         run_command = [
@@ -131,6 +130,7 @@ def run_pipeline_bench(rows: int = 20000, concurrency: int = 256) -> dict[str, A
             raise RuntimeError(f"gym-ray run --local recorded {summary['succeeded']} of {rows} rows")
         stage_report = json.loads(stage_file.read_text())
     run["startup_cpu_s"] = round(stage_report["process_cpu_at_start_s"], 3)
+    run["peak_rss_mb"] = round(stage_report["peak_rss_mb"], 1)
     stages = {"startup": run["startup_cpu_s"], **{name: stage_report["stages"][name] for name in STAGES}}
     stages["other"] = max(0.0, run["cpu_s"] - sum(stages.values()))
     run["stages"] = {

@@ -130,7 +130,7 @@ async def finalize_run(
     )
     atomic_write_bytes(root / SUMMARY_FILE, (result.model_dump_json(indent=2) + "\n").encode())
     if metrics_path is not None:
-        raise_for_aggregation_errors(metrics_path)
+        raise_for_aggregation_errors(entries)  # the summary read above: the file is not read twice
     if settings.require_complete and not result.complete:
         # NeMo Gym 0.7's check_completion, after every file is written (the Python `require_complete=True`
         # of collect / acollect / acollect_local sets the same setting).

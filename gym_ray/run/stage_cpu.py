@@ -5,7 +5,7 @@ measures the CPU each stage of the run costs and, when the run returns, writes o
 file (atomically)::
 
     {"stages": {"plan": s, "dispatch": s, "record": s, "merge": s, "aggregate": s},
-     "process_cpu_at_start_s": s, "process_cpu_s": s}
+     "process_cpu_at_start_s": s, "process_cpu_s": s, "peak_rss_mb": mb}
 
 How each figure is taken (the stages of a local run follow each other, so a stage's process CPU is its
 own; processes the stage started and joined, such as the merge's sort pool, are added):
@@ -17,7 +17,9 @@ own; processes the stage started and joined, such as the merge's sort pool, are 
   record and appending it through the shard's writer (fsync included), summed over rollouts. The two clock
   reads per rollout (about a microsecond) count here.
 - ``process_cpu_at_start_s``: the process's CPU when the run began (interpreter start-up, imports, config);
-  ``process_cpu_s``: its CPU (with joined children) when the file is written.
+  ``process_cpu_s``: its CPU (with joined children) when the file is written; ``peak_rss_mb``: this
+  process's own peak resident memory (Linux ``VmHWM``, which starts afresh at ``exec``; a parent's
+  ``ru_maxrss`` of its child would carry the parent's size at fork; elsewhere ``ru_maxrss``).
 
 Without the variable nothing is measured: the hot path pays one ``is None`` test per rollout and the
 file is never written. The file is a measurement tool, not a user-facing report.
@@ -35,7 +37,15 @@ from collections.abc import Iterator, Mapping
 
 from gym_ray.record.atomic import atomic_write_bytes
 
-__all__ = ["STAGES", "STAGE_CPU_ENV", "StageCpu", "current_stage_cpu", "measuring", "stage_cpu_scope"]
+__all__ = [
+    "STAGES",
+    "STAGE_CPU_ENV",
+    "StageCpu",
+    "current_stage_cpu",
+    "measuring",
+    "peak_rss_mb",
+    "stage_cpu_scope",
+]
 
 #: The environment variable naming the file a run writes its stage CPU to.
 STAGE_CPU_ENV = "GYM_RAY_STAGE_CPU_FILE"
@@ -49,6 +59,18 @@ def _process_cpu_s() -> float:
     """CPU seconds of this process and of every child it has waited for."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak resident set size in MB (see the module docstring)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 class StageCpu:
@@ -94,6 +116,7 @@ class StageCpu:
             "stages": self.stages(),
             "process_cpu_at_start_s": self.process_cpu_at_start_s,
             "process_cpu_s": _process_cpu_s(),
+            "peak_rss_mb": peak_rss_mb(),
         }
         atomic_write_bytes(path, json.dumps(report, indent=2).encode() + b"\n")
 

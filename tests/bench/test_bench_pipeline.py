@@ -65,7 +65,7 @@ def test_stage_cpu_scope_writes_the_file_only_when_asked(tmp_path: Path) -> None
         with on.measure("plan"):
             sum(range(100_000))
     report = json.loads(target.read_text())
-    assert set(report) == {"stages", "process_cpu_at_start_s", "process_cpu_s"}
+    assert set(report) == {"stages", "process_cpu_at_start_s", "process_cpu_s", "peak_rss_mb"}
     assert list(report["stages"]) == list(STAGES)
     assert report["stages"]["plan"] > 0
     assert report["stages"]["plan"] + report["process_cpu_at_start_s"] <= report["process_cpu_s"]
