@@ -26,7 +26,9 @@ def test_pipeline_bench_reports_both_sides_the_stage_split_and_the_ratios() -> N
     assert set(result) == {"rows", "concurrency", "floor", "gym_ray", "ratios"}
     assert (result["rows"], result["concurrency"]) == (rows, 32)
     floor, run = result["floor"], result["gym_ray"]
-    assert set(floor) == SIDE_KEYS
+    assert set(floor) == {*SIDE_KEYS, "cpu_s_runs"}
+    assert len(floor["cpu_s_runs"]) == 2
+    assert floor["cpu_s"] == min(floor["cpu_s_runs"])
     assert set(run) == {*SIDE_KEYS, "stages"}
     assert list(run["stages"]) == ["startup", *STAGES, "other"]
     for side in (floor, run):
