@@ -114,6 +114,35 @@ def test_a_dead_server_stops_the_run_with_exit_4_naming_it_and_records_no_failur
     assert sorted(p.name for p in out.glob("rollouts-*_failures.jsonl") if p.stat().st_size) == []
 
 
+def test_warnings_of_a_local_run_are_one_prefixed_line_each(tmp_path: Path) -> None:
+    # Without a handler Python prints gym_ray's warnings bare; the CLI prefixes each and keeps it to one
+    # line (the error it wraps is named, never a traceback).
+    config = dead_config(tmp_path / "dead.yaml")
+    rows = write_rows(tmp_path / "rows.jsonl", 3)
+    args = [
+        "run",
+        str(config),
+        f"+input_jsonl_fpath={rows}",
+        f"+output_dir={tmp_path / 'out'}",
+        "++server_outage_timeout_s=2",
+        "--local",
+        "--no-health-check",
+        "--progress",
+        "off",
+    ]
+    result = gym_ray(args, cwd=tmp_path)
+    assert result.returncode == 4, result.stderr
+    warning, error = result.stderr.splitlines()
+    assert re.fullmatch(
+        r"gym-ray run: warning: environment server 'arith_env' \(http://127\.0\.0\.1:\d+\) looks down after "
+        r"3 failed attempts in a row \(could not connect .*\); its rows wait while a probe checks "
+        r"http://127\.0\.0\.1:\d+/ \(the run stops after 2 s of outage\)",
+        warning,
+    ), warning
+    assert error.startswith("gym-ray run: ServerOutageError: environment server 'arith_env'"), error
+    assert "Traceback" not in result.stderr
+
+
 def test_sigterm_stops_like_ctrl_c_exit_143_and_the_rerun_completes(
     tmp_path: Path, slow_servers: ThreadedDeployment
 ) -> None:
