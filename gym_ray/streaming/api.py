@@ -55,6 +55,8 @@ def stream(
             the stream runs. Rows are copied and stamped with ``_ng_task_index`` (their own int, else a
             counter in input order), ``_ng_rollout_index`` and ``_ng_run_id``.
         config: The running config (dict, or YAML path); a head-only config is completed from the head.
+            Run settings of ``gym-ray run`` (``num_repeats``, ``output_dir``, ...) and a ``tracing:`` block
+            are refused, not ignored: the stream's own options below do their jobs.
         num_workers: Worker actors (``num_cpus=0`` each).
         group_size: Run each input row this many times and yield the task's rollouts together, as a
             :class:`~gym_ray.streaming.groups.RolloutGroup` ordered by rollout index, once all are done.
@@ -80,6 +82,7 @@ def stream(
 
     Raises:
         UsageError: A bad option (raised here), or a non-dict row (raised by iteration).
+        ConfigError: The config is bad or sets a run setting (raised on start, before Ray starts).
         ValidationError: Rows disagree with the running config (raised by iteration).
     """
     return RolloutStream(

@@ -59,6 +59,7 @@ from gym_ray import keys
 from gym_ray.errors import NoProgressError, UsageError
 from gym_ray.record.recorded import recorded_keys
 from gym_ray.record.run_lock import RunLock
+from gym_ray.streaming.config_check import check_stream_config
 from gym_ray.streaming.control import StreamControls
 from gym_ray.streaming.delivery import Delivery, StaleCallback
 from gym_ray.streaming.filters import GroupFilter
@@ -276,7 +277,9 @@ class RolloutStream(StreamControls):
 
         if self._record_dir is not None:  # one run per folder: refused before anything starts
             self._lock = RunLock(self._record_dir, what="stream").acquire()
-        self._topology = (await resolve_run_config(self._config)).topology
+        run = await resolve_run_config(self._config)
+        check_stream_config(run)
+        self._topology = run.topology
         if not ray.is_initialized():
             from gym_ray.distributed.placement import ray_init_kwargs
 
