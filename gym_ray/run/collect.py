@@ -330,6 +330,7 @@ async def acollect_local(
     rows: Iterable[Mapping[str, Any]] | None = None,
     overrides: Iterable[str] = (),
     progress: bool | None = None,
+    progress_every_s: float = 1.0,
     require_complete: bool = False,
     **settings: Any,
 ) -> RunResult:
@@ -345,6 +346,8 @@ async def acollect_local(
         progress: Show a :class:`~gym_ray.observe.progress.ProgressDisplay` on stderr (rollouts this call
         runs,
             rate, failures, ETA, mean reward per environment server); None shows it when stderr is a TTY.
+        progress_every_s: Seconds between two progress lines at most (a server's outage or return is
+            shown at once).
         require_complete: Raise :class:`~gym_ray.errors.IncompleteRunError` when the run ends with failed
             or pending rollouts beyond ``max_failed_fraction`` (the run folder is finalized first).
         **settings: Run settings that win over the config (``output_dir=...``, ``num_repeats=4``).
@@ -365,15 +368,19 @@ async def acollect_local(
     run = await resolve_run_config(config, overrides=overrides, settings=settings)
     await preflight(run, rows=rows)
     if run.settings.output_dir is None:
-        result = await _collect_locked(run, rows, progress, started)
+        result = await _collect_locked(run, rows, progress, progress_every_s, started)
     else:
         with holding_run_folder(run.settings.output_dir, what="collect"):
-            result = await _collect_locked(run, rows, progress, started)
+            result = await _collect_locked(run, rows, progress, progress_every_s, started)
     return result
 
 
 async def _collect_locked(
-    run: RunConfig, rows: Iterable[Mapping[str, Any]] | None, progress: bool | None, started: float
+    run: RunConfig,
+    rows: Iterable[Mapping[str, Any]] | None,
+    progress: bool | None,
+    progress_every_s: float,
+    started: float,
 ) -> RunResult:
     plan = await asyncio.to_thread(prepare_run, run, rows=rows)
     specs = iter(plan.shards)
@@ -381,7 +388,7 @@ async def _collect_locked(
     async def next_spec() -> ShardSpec | None:
         return next(specs, None)
 
-    display = ProgressDisplay(0, stream=sys.stderr, enabled=progress)
+    display = ProgressDisplay(0, stream=sys.stderr, enabled=progress, interval_s=progress_every_s)
     if display.enabled:
         display.total = await asyncio.to_thread(_pending_count, plan, run.settings)
     tracer = setup_tracing(run.tracing)

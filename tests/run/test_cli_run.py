@@ -143,6 +143,25 @@ def test_warnings_of_a_local_run_are_one_prefixed_line_each(tmp_path: Path) -> N
     assert "Traceback" not in result.stderr
 
 
+def test_a_local_run_prints_progress_lines_at_the_asked_interval(
+    tmp_path: Path, slow_servers: ThreadedDeployment
+) -> None:
+    # `--progress 60` in a local run (stderr not a TTY): a plain line at the first outcome, then none for
+    # 60 s, then the last one at 100% (this run lasts ~1.2 s). Local runs used to show nothing for any
+    # interval above 1 s, `auto` off a TTY (30 s) included.
+    out = tmp_path / "out"
+    args = _slow_run_args(tmp_path, slow_servers, out, rows=8)
+    args[args.index("--workers") : args.index("--workers") + 2] = ["--local"]
+    args[args.index("--progress") + 1] = "60"
+    result = gym_ray(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    progress = r"{}/8 \({}%\) (--|\d+\.\d)/s failed 0 ETA \S+ \| arith_env \d\.\d\d"
+    assert len(lines) == 2, lines
+    assert re.fullmatch(progress.format(1, "12\\.5"), lines[0]), lines
+    assert re.fullmatch(progress.format(8, "100\\.0"), lines[1]), lines
+
+
 def test_sigterm_stops_like_ctrl_c_exit_143_and_the_rerun_completes(
     tmp_path: Path, slow_servers: ThreadedDeployment
 ) -> None:
