@@ -59,6 +59,7 @@ from gym_ray import keys
 from gym_ray.errors import NoProgressError, UsageError
 from gym_ray.record.recorded import recorded_keys
 from gym_ray.record.run_lock import RunLock
+from gym_ray.run.preflight import check_ports, check_servers
 from gym_ray.streaming.config_check import check_stream_config
 from gym_ray.streaming.control import StreamControls
 from gym_ray.streaming.delivery import Delivery, StaleCallback
@@ -127,6 +128,7 @@ class RolloutStream(StreamControls):
         on_stale: StaleCallback | None = None,
         group_filter: GroupFilter | Sequence[GroupFilter] | None = None,
         max_groups_in_flight: int | None = None,
+        health_check: bool = True,
     ) -> None:
         for name, value, low in (
             ("num_workers", num_workers, 1),
@@ -160,6 +162,7 @@ class RolloutStream(StreamControls):
         self._restarts_left = 2 * num_workers if max_worker_restarts is None else max_worker_restarts
         self._connect_timeout_s = connect_timeout_s
         self._retry_requests = retry_requests
+        self._health_check = health_check
         self.run_id = run_id or uuid.uuid4().hex
         self._state = "new"  # new -> running -> closed
         self._owns_ray = False
@@ -279,6 +282,9 @@ class RolloutStream(StreamControls):
             self._lock = RunLock(self._record_dir, what="stream").acquire()
         run = await resolve_run_config(self._config)
         check_stream_config(run)
+        check_ports(run.topology)
+        if self._health_check:  # a wrong host or port is one line now, not an outage timeout later
+            await check_servers(run.topology)
         self._topology = run.topology
         if not ray.is_initialized():
             from gym_ray.distributed.placement import ray_init_kwargs
