@@ -197,3 +197,50 @@ async def test_a_distributed_run_stops_with_server_outage_error_and_a_rerun_comp
     report = check_run(out)
     assert (result.succeeded, result.failed) == (200, 0)
     assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
+
+
+_NUMBERS = r"\d+/400 \(\d+\.\d%\) (?:--|\d+\.\d)/s failed 0 ETA \S+ \| calc_env \d\.\d\d"
+
+
+@pytest.mark.ray
+async def test_the_progress_line_of_a_distributed_run_names_a_down_server_and_its_return(
+    ray_session: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    settings: dict[str, Any] = {"shard_size": 50, "max_resident_tasks": 4, "server_outage_timeout_s": 120.0}
+    err: list[str] = []
+
+    def seen(text: str) -> bool:
+        err.append(capsys.readouterr().err)
+        return text in "".join(err)
+
+    with start_in_thread(_config(latency_ms=20)) as servers:
+        run = asyncio.create_task(
+            acollect(
+                servers.config, rows=_rows(400), output_dir=str(out), num_workers=2, progress=True, **settings
+            )
+        )
+        try:
+            await _until(lambda: servers.stats("calc_env").requests >= 40, "40 requests", timeout_s=120)
+            await asyncio.to_thread(servers.stop_server, "calc_env")
+            # The outage lasts until the driver's line has named it (the worker's health reached the driver).
+            await _until(lambda: seen("| calc_env down "), "a progress line naming calc_env down")
+            await asyncio.to_thread(servers.restart_server, "calc_env")
+            result = await run
+        finally:
+            run.cancel()
+    err.append(capsys.readouterr().err)
+    lines = "".join(err).splitlines()
+    down = [line for line in lines if re.fullmatch(rf"{_NUMBERS} \| calc_env down \d+s", line)]
+    back = [line for line in lines if re.fullmatch(rf"{_NUMBERS} \| calc_env back after \d+s", line)]
+    naming = [line for line in lines if line.count("calc_env") > 1]
+    print_figures("R15 ray progress", down_lines=len(down), back_lines=len(back), lines=len(lines))
+    assert down, lines
+    assert len(back) == 1, lines  # the return is told once
+    assert lines.index(back[0]) > lines.index(down[0])
+    assert sorted(naming) == sorted(down + back), lines  # no other wording names the server
+    assert re.fullmatch(r"400/400 \(100\.0%\) \d+\.\d/s failed 0 ETA 0s \| calc_env 1\.00", lines[-1])
+    assert (result.succeeded, result.failed) == (400, 0)
+    assert _failure_lines(out) == 0
+    report = check_run(out)
+    assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
