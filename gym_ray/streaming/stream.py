@@ -56,7 +56,8 @@ from types import TracebackType
 from typing import Any
 
 from gym_ray import keys
-from gym_ray.errors import NoProgressError, UsageError
+from gym_ray.errors import InputError, NoProgressError, UsageError
+from gym_ray.plan.load import non_finite_problem
 from gym_ray.record.recorded import recorded_keys
 from gym_ray.record.run_lock import RunLock
 from gym_ray.streaming.control import StreamControls
@@ -164,6 +165,7 @@ class RolloutStream(StreamControls):
         self._owns_ray = False
         self._lock: RunLock | None = None
         self._topology: Any = None
+        self._settings: Any = None
         self._slots: list[_Slot] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._pullers: set[asyncio.Task[None]] = set()
@@ -276,7 +278,9 @@ class RolloutStream(StreamControls):
 
         if self._record_dir is not None:  # one run per folder: refused before anything starts
             self._lock = RunLock(self._record_dir, what="stream").acquire()
-        self._topology = (await resolve_run_config(self._config)).topology
+        run = await resolve_run_config(self._config)
+        self._topology = run.topology
+        self._settings = run.settings  # strict_json, server_outage_timeout_s, max_infra_retries
         if not ray.is_initialized():
             from gym_ray.distributed.placement import ray_init_kwargs
 
@@ -330,6 +334,8 @@ class RolloutStream(StreamControls):
             retry_requests=self._retry_requests,
             policy_version=self._version,
             paused=self._paused,
+            server_outage_timeout_s=self._settings.server_outage_timeout_s,
+            max_infra_retries=self._settings.max_infra_retries,
         )
         slot.run_ref = slot.handle.run.remote()
 
@@ -420,6 +426,12 @@ class RolloutStream(StreamControls):
             task = own if type(own) is int else next_task
             next_task = max(next_task, task + 1)
             position = self._read + self._skipped
+            if self._settings.strict_json and isinstance(raw, Mapping):
+                problem = non_finite_problem(raw)
+                if problem is not None:
+                    raise InputError(
+                        f"stream input row {position // width}: {problem}", row=position // width
+                    )
             rows = stamp_rows(
                 raw,
                 position=position // width,
