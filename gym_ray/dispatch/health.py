@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DOWN_STATUSES",
     "INFRA_STATUSES",
+    "RUN_STOP_HINT",
     "HealthListener",
     "ServerHealth",
     "ServerHealthSample",
@@ -66,6 +67,12 @@ logger = logging.getLogger("gym_ray.dispatch.health")
 INFRA_STATUSES = keys.GATEWAY_STATUSES
 #: Statuses that count towards "the server looks down" (429 is an answer from a live server).
 DOWN_STATUSES = frozenset({502, 503, 504})
+
+#: What a collection run's outage error ends with.
+RUN_STOP_HINT = (
+    "the run stopped with its unfinished rollouts unrecorded: bring the server back, then rerun on the same "
+    "output_dir to resume"
+)
 
 _CURRENT: contextvars.ContextVar[ServerHealth | None] = contextvars.ContextVar("gym_ray_health", default=None)
 
@@ -209,6 +216,7 @@ class ServerHealth:
         sleep: awaited for probe delays and pauses.
         listener: told of each server's first sight, every infrastructure failure, each outage and each
             return (metrics); None: nobody.
+        stop_hint: the end of the outage error's message: what stopped and what to do.
 
     Raises:
         ValueError: a limit is not positive.
@@ -227,6 +235,7 @@ class ServerHealth:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
         listener: HealthListener | None = None,
+        stop_hint: str = RUN_STOP_HINT,
     ) -> None:
         for name, value in (
             ("outage_timeout_s", outage_timeout_s),
@@ -251,6 +260,7 @@ class ServerHealth:
         self._servers: dict[str, _Server] = {}
         self._watchers: list[Callable[[], None]] = []
         self._listener = listener
+        self._stop_hint = stop_hint
         self._closed = False
 
     @property
@@ -428,8 +438,7 @@ class ServerHealth:
                 st.error = ServerOutageError(
                     f"environment server {st.name!r} ({st.url}) has not answered for {down_s:.0f} s "
                     f"(server_outage_timeout_s={self._outage_timeout_s:g}; last error: {st.last_error}); "
-                    "the run stopped with its unfinished rollouts unrecorded: bring the server back, then "
-                    "rerun on the same output_dir to resume",
+                    + self._stop_hint,
                     url=st.url,
                     server=st.name,
                     down_s=down_s,

@@ -56,7 +56,7 @@ from types import TracebackType
 from typing import Any
 
 from gym_ray import keys
-from gym_ray.errors import InputError, NoProgressError, UsageError
+from gym_ray.errors import GymRayError, InputError, NoProgressError, UsageError
 from gym_ray.plan.load import non_finite_problem
 from gym_ray.record.recorded import recorded_keys
 from gym_ray.record.run_lock import RunLock
@@ -95,6 +95,18 @@ class _Slot:
     handle: Any = None
     run_ref: Any = None
     assigned: dict[int, Row] = field(default_factory=dict)
+
+
+def _worker_error(exc: Exception) -> Exception:
+    """The error a worker raised, without Ray's wrapping: a ``RayTaskError`` of a gym_ray error (e.g.
+    ``ServerOutageError``) would otherwise reach the consumer with the worker's whole traceback as its
+    message."""
+    import ray
+
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, GymRayError):
+        return cause
+    return exc
 
 
 class RolloutStream(StreamControls):
@@ -349,7 +361,7 @@ class RolloutStream(StreamControls):
             await coro
         except Exception as exc:
             if self._error is None:
-                self._error = exc
+                self._error = _worker_error(exc)
             self._notify()
 
     def _notify(self) -> None:

@@ -49,6 +49,12 @@ logger = logging.getLogger(__name__)
 #: calls).
 STREAM_WORKER_MAX_CONCURRENCY = 16
 
+#: What a stream's outage error ends with.
+STREAM_STOP_HINT = (
+    "the stream stopped: bring the server back, then open a new stream (with record_dir and resume=True it "
+    "skips the rows already delivered)"
+)
+
 Outcome = dict[str, Any] | RolloutFailureRecord
 SeqRow = tuple[int, dict[str, Any]]
 #: ``(seq, outcome, policy version the row was admitted under)``.
@@ -375,7 +381,9 @@ class StreamWorker:
                     request_timeout_s=self._request_timeout_s,
                     retry_requests=self._retry_requests,
                 ) as client,
-                ServerHealth(client, outage_timeout_s=self._outage_timeout_s) as health,
+                ServerHealth(
+                    client, outage_timeout_s=self._outage_timeout_s, stop_hint=STREAM_STOP_HINT
+                ) as health,
             ):
                 # infrastructure failures are resent and a down server's rows wait (see ServerHealth)
                 runner = build_dispatcher(

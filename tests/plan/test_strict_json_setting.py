@@ -14,6 +14,7 @@ from gym_ray.distributed.api import acollect
 from gym_ray.errors import ConfigError, InputError
 from gym_ray.run.collect import acollect_local
 from gym_ray.servers import calc_config, serve_config, start_in_thread
+from gym_ray.streaming.api import stream
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -128,3 +129,25 @@ async def test_the_ray_driver_honours_strict_json_both_ways(ray_session: Any, tm
         )
         assert (result.planned, result.succeeded, result.failed) == (3, 3, 0)
         assert servers.stats("calc_env").requests == 3
+
+
+@pytest.mark.ray
+async def test_the_stream_refuses_a_nan_row_unless_its_config_turns_strict_json_off(ray_session: Any) -> None:
+    rows = [_row(0), {**_row(1), "extra": {"w": float("inf")}}, _row(2)]
+    async with serve_config(calc_config(seed=3)) as dep:
+        got: list[int] = []
+
+        async def consume(config: dict[str, Any]) -> None:
+            async with stream(rows, config=config, num_workers=1, max_in_flight=2) as rollouts:
+                got.extend([row["_ng_task_index"] async for row, _ in rollouts])
+
+        with pytest.raises(InputError) as caught:
+            await consume(dep.config)
+        assert str(caught.value) == (
+            "stream input row 1: non-finite number inf at extra.w (not JSON: servers refuse it); write None "
+            f"or a finite number, {HINT}"
+        )
+        assert caught.value.row == 1
+        got.clear()
+        await consume({**dep.config, "strict_json": False})
+        assert sorted(got) == [0, 1, 2]
