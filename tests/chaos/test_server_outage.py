@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gym_ray.bench.chaos import chaos_rows, failure_records
 from gym_ray.distributed.api import acollect
 from gym_ray.errors import ServerOutageError
 from gym_ray.record.ledger import check_run
@@ -33,15 +34,9 @@ def _config(latency_ms: int) -> dict[str, Any]:
     return calc_config(seed=3, latency_ms=latency_ms, latency_jitter_ms=0)
 
 
-def _rows(n: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
-            "expected_answer": str(i + 1),
-            "agent_ref": {"name": "calc_agent"},
-        }
-        for i in range(n)
-    ]
+# The scenario helpers `gym-ray bench chaos` uses (one copy, in the package).
+_rows = chaos_rows
+_failure_lines = failure_records
 
 
 async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -50,10 +45,6 @@ async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 60
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-def _failure_lines(out: Path) -> int:
-    return sum(len(p.read_text().splitlines()) for p in out.glob("rollouts-*_failures.jsonl"))
 
 
 def print_figures(name: str, **figures: Any) -> None:
