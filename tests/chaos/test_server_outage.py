@@ -190,7 +190,7 @@ async def test_a_distributed_run_stops_with_server_outage_error_and_a_rerun_comp
     assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
 
 
-_NUMBERS = r"\d+/400 \(\d+\.\d%\) (?:--|\d+\.\d)/s failed 0 ETA \S+ \| calc_env \d\.\d\d"
+_NUMBERS = r"\d+/1200 \(\d+\.\d%\) (?:--|\d+\.\d)/s failed 0 ETA \S+ \| calc_env \d\.\d\d"
 
 
 @pytest.mark.ray
@@ -198,7 +198,8 @@ async def test_the_progress_line_of_a_distributed_run_names_a_down_server_and_it
     ray_session: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "run"
-    settings: dict[str, Any] = {"shard_size": 50, "max_resident_tasks": 4, "server_outage_timeout_s": 120.0}
+    # 1,200 rows: the run goes on for seconds after the restart, so a poll sees the server back.
+    settings: dict[str, Any] = {"shard_size": 100, "max_resident_tasks": 4, "server_outage_timeout_s": 120.0}
     err: list[str] = []
 
     def seen(text: str) -> bool:
@@ -208,7 +209,12 @@ async def test_the_progress_line_of_a_distributed_run_names_a_down_server_and_it
     with start_in_thread(_config(latency_ms=20)) as servers:
         run = asyncio.create_task(
             acollect(
-                servers.config, rows=_rows(400), output_dir=str(out), num_workers=2, progress=True, **settings
+                servers.config,
+                rows=_rows(1200),
+                output_dir=str(out),
+                num_workers=2,
+                progress=True,
+                **settings,
             )
         )
         try:
@@ -230,8 +236,8 @@ async def test_the_progress_line_of_a_distributed_run_names_a_down_server_and_it
     assert len(back) == 1, lines  # the return is told once
     assert lines.index(back[0]) > lines.index(down[0])
     assert sorted(naming) == sorted(down + back), lines  # no other wording names the server
-    assert re.fullmatch(r"400/400 \(100\.0%\) \d+\.\d/s failed 0 ETA 0s \| calc_env 1\.00", lines[-1])
-    assert (result.succeeded, result.failed) == (400, 0)
+    assert re.fullmatch(r"1200/1200 \(100\.0%\) \d+\.\d/s failed 0 ETA 0s \| calc_env 1\.00", lines[-1])
+    assert (result.succeeded, result.failed) == (1200, 0)
     assert _failure_lines(out) == 0
     report = check_run(out)
     assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)

@@ -53,7 +53,7 @@ async def test_one_outage_gives_one_outage_three_infra_failures_and_up_again(tmp
                     config,
                     rows=_rows(120),
                     output_dir=str(tmp_path / "run"),
-                    shard_size=40,
+                    shard_size=200,  # one shard: one lane, one row task
                     max_resident_tasks=1,  # one request at a time: the failures before "down" are exact
                     server_outage_timeout_s=60.0,
                 )
