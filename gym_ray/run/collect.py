@@ -30,6 +30,7 @@ from gym_ray.dispatch.engine import dispatch
 from gym_ray.dispatch.health import ServerHealth, current_health, health_scope
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
 from gym_ray.errors import NoProgressError
+from gym_ray.observe.health_metrics import health_metrics
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
 from gym_ray.observe.tracing import job_span, run_scope, setup_tracing
 from gym_ray.plan.resume import plan_resume
@@ -107,8 +108,16 @@ async def run_shard(
 
 
 def health_for(run: RunConfig, client: ServerClient) -> ServerHealth:
-    """The server health tracker of one process, from the run's settings (probes go through ``client``)."""
-    return ServerHealth(client, outage_timeout_s=run.settings.server_outage_timeout_s)
+    """The server health tracker of one process, from the run's settings (probes go through ``client``).
+
+    With metrics enabled it feeds the ``gym_ray.server.*`` instruments
+    (:mod:`gym_ray.observe.health_metrics`).
+    """
+    return ServerHealth(
+        client,
+        outage_timeout_s=run.settings.server_outage_timeout_s,
+        listener=health_metrics(setup_tracing(run.tracing)),
+    )
 
 
 async def _run_shard(

@@ -1,8 +1,9 @@
 """What a stream refuses in its config: run settings it has its own options for, or does not use.
 
-``gym_ray.stream`` takes a running config for its servers. The run settings of ``gym-ray run``
-(``num_repeats``, ``output_dir``, ``request_timeout_s``, ...) are not read by a stream: each has a
-:func:`gym_ray.stream` option of its own, or means nothing for a stream. Rather than ignore them, the
+``gym_ray.stream`` takes a running config for its servers. It reads three run settings from it as
+``gym-ray run`` does (:data:`STREAM_READS`: ``strict_json``, ``server_outage_timeout_s``,
+``max_infra_retries``). The others (``num_repeats``, ``output_dir``, ``request_timeout_s``, ...) each have
+a :func:`gym_ray.stream` option of their own, or mean nothing for a stream: rather than ignore them, the
 stream refuses a config that sets one, naming the key and what to pass instead.
 """
 
@@ -13,7 +14,10 @@ from gym_ray.config.settings import RunSettings
 from gym_ray.config.tracing import TracingSettings
 from gym_ray.errors import ConfigError
 
-__all__ = ["STREAM_OPTION_FOR", "check_stream_config"]
+__all__ = ["STREAM_OPTION_FOR", "STREAM_READS", "check_stream_config"]
+
+#: Run settings a stream reads from its config, as ``gym-ray run`` does.
+STREAM_READS: frozenset[str] = frozenset({"strict_json", "server_outage_timeout_s", "max_infra_retries"})
 
 #: Run setting -> the ``gym_ray.stream`` option that does its job (settings absent here have none).
 STREAM_OPTION_FOR: dict[str, str] = {
@@ -46,7 +50,7 @@ def check_stream_config(run: RunConfig) -> None:
     # max_connections is derived from max_resident_tasks when not given: only a value of its own counts.
     given = sorted(
         name
-        for name in settings.model_fields_set
+        for name in settings.model_fields_set - STREAM_READS
         if name != "max_connections" or getattr(settings, name) != getattr(defaults, name)
     )
     if given:
