@@ -38,13 +38,12 @@ from typing import Any
 
 from gym_ray.errors import UsageError
 from gym_ray.record.ledger import check_run
-from gym_ray.servers import calc_config, serve_config
+from gym_ray.servers import calc_config, calc_rows, serve_config
 from gym_ray.servers.launch import Deployment
 
 __all__ = [
     "CHAOS_SCENARIOS",
     "ScenarioFigures",
-    "chaos_rows",
     "failure_records",
     "format_table",
     "run_chaos_bench",
@@ -75,18 +74,6 @@ class ScenarioFigures:
     recover_s: float | None = None
     passed: bool = False
     note: str = ""
-
-
-def chaos_rows(n: int) -> list[dict[str, Any]]:
-    """``n`` arithmetic rows for ``calc_agent`` (row ``i`` asks ``i + 1``)."""
-    return [
-        {
-            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
-            "expected_answer": str(i + 1),
-            "agent_ref": {"name": "calc_agent"},
-        }
-        for i in range(n)
-    ]
 
 
 def failure_records(run_dir: str | os.PathLike[str]) -> int:
@@ -125,7 +112,7 @@ class _Lab:
         self.config = root / "run.yaml"
         self.config.write_text(json.dumps(dep.config if config is None else config))  # JSON is YAML
         self.input = root / "in.jsonl"
-        self.input.write_text("".join(json.dumps(r) + "\n" for r in chaos_rows(rows)))
+        self.input.write_text("".join(json.dumps(r) + "\n" for r in calc_rows(rows)))
         self.printed: list[str] = []
 
     async def start(self, *settings: str) -> asyncio.subprocess.Process:

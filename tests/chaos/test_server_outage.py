@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from gym_ray.bench.chaos import chaos_rows, failure_records
+from gym_ray.bench.chaos import failure_records
 from gym_ray.distributed.api import acollect
 from gym_ray.errors import ServerOutageError
 from gym_ray.record.ledger import check_run
 from gym_ray.record.status import format_status, run_status
 from gym_ray.run.collect import acollect_local
-from gym_ray.servers import calc_config, serve_config, start_in_thread
+from gym_ray.servers import calc_config, calc_rows, serve_config, start_in_thread
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,7 +35,7 @@ def _config(latency_ms: int) -> dict[str, Any]:
 
 
 # The scenario helpers `gym-ray bench chaos` uses (one copy, in the package).
-_rows = chaos_rows
+_rows = calc_rows
 _failure_lines = failure_records
 
 

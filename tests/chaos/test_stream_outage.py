@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
-from gym_ray.bench.chaos import chaos_rows
 from gym_ray.dispatch.outcomes import RolloutFailureRecord
 from gym_ray.errors import ServerOutageError
-from gym_ray.servers import calc_config, serve_config
+from gym_ray.servers import calc_config, calc_rows, serve_config
 from gym_ray.streaming.api import stream
 from gym_ray.streaming.worker import STREAM_STOP_HINT
 
@@ -39,7 +38,7 @@ async def test_a_short_outage_mid_stream_delivers_every_row_once_and_no_failure(
             await dep.restart_server("calc_env")
 
         try:
-            async with stream(chaos_rows(200), config=config, num_workers=2, max_in_flight=8) as rollouts:
+            async with stream(calc_rows(200), config=config, num_workers=2, max_in_flight=8) as rollouts:
                 async for row, outcome in rollouts:
                     tasks.append(row[keys.TASK_INDEX])
                     failures += isinstance(outcome, RolloutFailureRecord)
@@ -69,7 +68,7 @@ async def test_a_server_down_past_the_timeout_ends_the_stream_with_server_outage
         delivered: list[Any] = []
 
         async def consume() -> None:
-            async with stream(chaos_rows(200), config=config, num_workers=2, max_in_flight=8) as rollouts:
+            async with stream(calc_rows(200), config=config, num_workers=2, max_in_flight=8) as rollouts:
                 async for _row, outcome in rollouts:
                     delivered.append(outcome)
                     if len(delivered) == 40:

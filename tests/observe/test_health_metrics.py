@@ -14,20 +14,12 @@ from gym_ray.config.tracing import TracingSettings
 from gym_ray.observe.health_metrics import HEALTH_METRICS
 from gym_ray.observe.tracing import Tracer, setup_tracing, shutdown_tracing
 from gym_ray.run.collect import acollect_local
-from gym_ray.servers import calc_config, serve_config
+from gym_ray.servers import calc_config, calc_rows, serve_config
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _rows(n: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
-            "expected_answer": str(i + 1),
-            "agent_ref": {"name": "calc_agent"},
-        }
-        for i in range(n)
-    ]
+_rows = calc_rows
 
 
 def _points(tracer: Tracer) -> dict[str, list[tuple[dict[str, Any], Any]]]:
