@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -90,6 +91,31 @@ def error_line(command: str, exc: BaseException) -> str:
     return _ANSI.sub("", text)
 
 
+class WarningLines(logging.Handler):
+    """Shows gym_ray's warnings on stderr as ``gym-ray COMMAND: warning: ...``, one line each.
+
+    Without a handler Python would print them bare (and with a traceback when one is attached); the
+    command line states the exception's type and message instead. Installed by :func:`main` on the
+    ``gym_ray`` logger for the length of one command; a program that configures logging itself and calls
+    the library directly keeps its own handlers.
+    """
+
+    def __init__(self, command: str) -> None:
+        super().__init__(logging.WARNING)
+        self.command = command
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+            exc = record.exc_info[1] if record.exc_info else None
+            if exc is not None:
+                message += f" ({type(exc).__name__}: {exc})"
+            sys.stderr.write(f"gym-ray {self.command}: warning: {' '.join(_ANSI.sub('', message).split())}\n")
+            sys.stderr.flush()
+        except Exception:  # a broken stderr must not end the run
+            self.handleError(record)
+
+
 #: command -> (help, "module:function" implementing it, or None when not built yet)
 COMMANDS: dict[str, tuple[str, str | None]] = {
     "run": ("collect rollouts for a config (distributed on Ray)", None),
@@ -146,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    package_logger = logging.getLogger("gym_ray")
+    warning_lines = WarningLines(args.command)
+    package_logger.addHandler(warning_lines)
     try:
         return int(func(args))
     except BaseException as raised:
@@ -157,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     finally:
         flush_telemetry()
+        package_logger.removeHandler(warning_lines)
 
 
 def flush_telemetry() -> None:

@@ -26,6 +26,7 @@ from gym_ray.servers import (
     ThreadedDeployment,
     bundled_dataset_path,
     calc_config,
+    calc_rows,
     load_bundled_config,
     serve_config,
     start_in_thread,
@@ -243,15 +244,7 @@ def _calc_config(*, faults: dict[str, Any] | None = None) -> dict[str, Any]:
     return calc_config(seed=3, latency_ms=1, latency_jitter_ms=0, **({"faults": faults} if faults else {}))
 
 
-def _rows(n: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
-            "expected_answer": str(i + 1),
-            "agent_ref": {"name": "calc_agent"},
-        }
-        for i in range(n)
-    ]
+_rows = calc_rows
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ SCENARIOS = (
     "collect-memory",
     "plan-memory",
     "ray-vs-local",
+    "chaos",
     "pipeline",
 )
 
@@ -58,11 +59,31 @@ def bench_args(parser: argparse.ArgumentParser) -> None:
         "--latency-ms", type=float, default=500.0, help="latency: the server's delay per /run"
     )
     parser.add_argument("--workers", type=int, default=2, help="ray-vs-local: worker actors (default 2)")
+    parser.add_argument(
+        "--scenarios",
+        default=None,
+        help="chaos: comma-separated scenarios (default all: outage, outage-timeout, busy-folder, secret, "
+        "quarantine, kill-resume)",
+    )
+    parser.add_argument(
+        "--outage-s",
+        type=float,
+        default=20.0,
+        help="chaos: seconds the outage scenario keeps the server down",
+    )
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    """Run the chosen scenario; prints its figures as JSON. Returns 0."""
+    """Run the chosen scenario; prints its figures as JSON. Returns 0 (``chaos``: 1 when a scenario
+    failed)."""
     result: dict[str, Any]
+    if args.scenario == "chaos":
+        from gym_ray.bench.chaos import CHAOS_SCENARIOS, run_chaos_bench
+
+        names = CHAOS_SCENARIOS if args.scenarios is None else tuple(args.scenarios.split(","))
+        result = run_chaos_bench(names, rows=2000 if args.n is None else args.n, outage_s=args.outage_s)
+        print(json.dumps(result, indent=2))
+        return 0 if result["passed"] else 1
     if args.n is None and args.scenario != "merge":
         args.n = 20000
     if args.scenario == "dispatch":

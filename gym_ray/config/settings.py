@@ -372,6 +372,10 @@ class RunSettings(BaseModel):
             (``GET /``) and refuse the run when one is unreachable or unhealthy.
         max_failed_fraction: failed rows (of the planned rows) a run may end with and still count as
             complete (exit status 0); 0.0 = none.
+        strict_json: refuse input rows that JSON does not allow though Python's ``json`` does (a key twice
+            in one object, ``NaN`` / ``Infinity``, numbers that overflow to infinity; in rows passed as
+            Python objects, ``nan`` / ``inf`` floats), with the file and line or the row; False accepts
+            them (the last duplicate wins) and sends them on as they are.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
@@ -414,6 +418,7 @@ class RunSettings(BaseModel):
     disable_health_check: bool = True
     health_check: bool = True
     max_failed_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    strict_json: bool = True
 
     @model_validator(mode="before")
     @classmethod

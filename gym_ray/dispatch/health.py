@@ -32,9 +32,9 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gym_ray import keys
 from gym_ray.errors import (
@@ -50,11 +50,15 @@ if TYPE_CHECKING:
 __all__ = [
     "DOWN_STATUSES",
     "INFRA_STATUSES",
+    "RUN_STOP_HINT",
+    "HealthListener",
     "ServerHealth",
     "ServerHealthSample",
     "current_health",
     "health_scope",
+    "health_summary",
     "is_infrastructure_failure",
+    "merge_health",
 ]
 
 logger = logging.getLogger("gym_ray.dispatch.health")
@@ -63,6 +67,12 @@ logger = logging.getLogger("gym_ray.dispatch.health")
 INFRA_STATUSES = keys.GATEWAY_STATUSES
 #: Statuses that count towards "the server looks down" (429 is an answer from a live server).
 DOWN_STATUSES = frozenset({502, 503, 504})
+
+#: What a collection run's outage error ends with.
+RUN_STOP_HINT = (
+    "the run stopped with its unfinished rollouts unrecorded: bring the server back, then rerun on the same "
+    "output_dir to resume"
+)
 
 _CURRENT: contextvars.ContextVar[ServerHealth | None] = contextvars.ContextVar("gym_ray_health", default=None)
 
@@ -105,6 +115,70 @@ class ServerHealthSample:
     last_error: str
 
 
+#: Order of the states from best to worst (a merge keeps the worst).
+_STATE_RANK = {"up": 0, "paused": 1, "down": 2, "outage": 3}
+
+
+def health_summary(samples: Iterable[ServerHealthSample]) -> str:
+    """One short phrase per server that is not up, in name order; "" when all are up.
+
+    ``"calc_env down 12s"`` (rows held back for 12 s so far), ``"calc_env outage 300s"`` (the run stops),
+    ``"calc_env paused"`` (``Retry-After``). The progress lines of every kind of run end with it.
+    """
+    phrases = []
+    for s in sorted(samples, key=lambda sample: sample.server):
+        if s.state == "paused":
+            phrases.append(f"{s.server} paused")
+        elif s.state != "up":
+            phrases.append(f"{s.server} {s.state} {s.down_s:.0f}s")
+    return ", ".join(phrases)
+
+
+def merge_health(samples: Iterable[ServerHealthSample]) -> dict[str, ServerHealthSample]:
+    """One sample per server from the samples of several processes (each worker keeps its own health).
+
+    A server's merged state is the worst any process reports (``outage`` > ``down`` > ``paused`` > ``up``)
+    with that process's URL and last error; ``down_s`` is the longest of the processes that report that
+    state; ``infra_failures`` and ``outages`` are summed.
+    """
+    merged: dict[str, ServerHealthSample] = {}
+    for s in samples:
+        have = merged.get(s.server)
+        if have is None:
+            merged[s.server] = s
+            continue
+        worst = s if _STATE_RANK.get(s.state, 0) > _STATE_RANK.get(have.state, 0) else have
+        down_s = max((x.down_s for x in (s, have) if x.state == worst.state), default=0.0)
+        merged[s.server] = ServerHealthSample(
+            worst.server,
+            worst.url,
+            worst.state,
+            down_s,
+            have.infra_failures + s.infra_failures,
+            have.outages + s.outages,
+            worst.last_error,
+        )
+    return merged
+
+
+class HealthListener(Protocol):
+    """Told of every change of a :class:`ServerHealth` (e.g. the OpenTelemetry metrics of
+    :mod:`gym_ray.observe.health_metrics`). Called on the health object's event loop; keep it cheap."""
+
+    def infra_failure(self, server: str) -> None:
+        """One infrastructure failure of ``server`` (resent unless its budget is spent)."""
+
+    def down(self, server: str) -> None:
+        """``server`` looks down: its rows are held back."""
+
+    def up(self, server: str, down_s: float) -> None:
+        """``server`` answers again (seen first: it is up), after ``down_s`` seconds of outage (0: first
+        sight)."""
+
+    def outage(self, server: str, down_s: float) -> None:
+        """``server`` stayed down past the timeout after ``down_s`` seconds; the run stops."""
+
+
 @dataclass
 class _Server:
     name: str
@@ -113,6 +187,7 @@ class _Server:
     streak: int = 0
     first_failure_at: float | None = None
     down_since: float | None = None
+    down_from: float | None = None  # first failure of the streak that made it look down
     paused_until: float = 0.0
     infra_failures: int = 0
     outages: int = 0
@@ -139,6 +214,9 @@ class ServerHealth:
         max_retry_after_s: cap for an honoured ``Retry-After``.
         clock: monotonic seconds (injected in tests).
         sleep: awaited for probe delays and pauses.
+        listener: told of each server's first sight, every infrastructure failure, each outage and each
+            return (metrics); None: nobody.
+        stop_hint: the end of the outage error's message: what stopped and what to do.
 
     Raises:
         ValueError: a limit is not positive.
@@ -156,6 +234,8 @@ class ServerHealth:
         max_retry_after_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        listener: HealthListener | None = None,
+        stop_hint: str = RUN_STOP_HINT,
     ) -> None:
         for name, value in (
             ("outage_timeout_s", outage_timeout_s),
@@ -179,6 +259,8 @@ class ServerHealth:
         self._sleep = sleep
         self._servers: dict[str, _Server] = {}
         self._watchers: list[Callable[[], None]] = []
+        self._listener = listener
+        self._stop_hint = stop_hint
         self._closed = False
 
     @property
@@ -240,6 +322,8 @@ class ServerHealth:
         now = self._clock()
         st.infra_failures += 1
         st.last_error = str(exc)
+        if self._listener is not None:
+            self._listener.infra_failure(st.name)
         if isinstance(exc, ServerHTTPError) and exc.retry_after_s is not None and exc.status in (429, 503):
             st.paused_until = max(st.paused_until, now + min(exc.retry_after_s, self._max_retry_after_s))
         if isinstance(exc, ServerHTTPError) and exc.status not in DOWN_STATUSES:
@@ -271,12 +355,9 @@ class ServerHealth:
         return out
 
     def summary(self) -> str:
-        """One short phrase per server that is not up (``"calc_env down 12s"``); "" when all are up."""
-        return ", ".join(
-            f"{s.server} {s.state} {s.down_s:.0f}s" if s.state != "paused" else f"{s.server} paused"
-            for s in self.snapshot().values()
-            if s.state != "up"
-        )
+        """One short phrase per server that is not up (``"calc_env down 12s"``); "" when all are up
+        (see :func:`health_summary`)."""
+        return health_summary(self.snapshot().values())
 
     def any_down(self) -> bool:
         """True while some server looks down (its rows are held back)."""
@@ -303,12 +384,17 @@ class ServerHealth:
         if st is None:
             st = self._servers[url] = _Server(server or url, url)
             st.back.set()
+            if self._listener is not None:
+                self._listener.up(st.name, 0.0)
         return st
 
     def _mark_down(self, st: _Server, now: float) -> None:
         st.down_since = now
+        st.down_from = now if st.first_failure_at is None else st.first_failure_at
         st.outages += 1
         st.back.clear()
+        if self._listener is not None:
+            self._listener.down(st.name)
         logger.warning(
             "environment server %r (%s) looks down after %d failed attempts in a row (%s); its rows wait "
             "while a probe checks %s/ (the run stops after %g s of outage)",
@@ -324,8 +410,12 @@ class ServerHealth:
         self._notify()
 
     def _mark_up(self, st: _Server) -> None:
-        down_s = 0.0 if st.down_since is None else self._clock() - st.down_since
+        now = self._clock()
+        down_s = 0.0 if st.down_since is None else now - st.down_since
+        if self._listener is not None:
+            self._listener.up(st.name, 0.0 if st.down_from is None else now - st.down_from)
         st.down_since = None
+        st.down_from = None
         st.streak = 0
         st.first_failure_at = None
         st.back.set()
@@ -348,13 +438,14 @@ class ServerHealth:
                 st.error = ServerOutageError(
                     f"environment server {st.name!r} ({st.url}) has not answered for {down_s:.0f} s "
                     f"(server_outage_timeout_s={self._outage_timeout_s:g}; last error: {st.last_error}); "
-                    "the run stopped with its unfinished rollouts unrecorded: bring the server back, then "
-                    "rerun on the same output_dir to resume",
+                    + self._stop_hint,
                     url=st.url,
                     server=st.name,
                     down_s=down_s,
                 )
                 logger.info("%s", st.error)  # raised to the caller, which reports it once
+                if self._listener is not None:
+                    self._listener.outage(st.name, down_s)
                 st.back.set()
                 self._notify()
                 return

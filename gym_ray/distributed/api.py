@@ -17,7 +17,8 @@ reported to the driver, which puts its unfinished shards back at the front of th
 worker is started (up to ``max_worker_restarts``). Cancelling ``acollect`` (or Ctrl-C in ``collect``)
 cancels the workers' ``run()`` calls, gives them ``cancel_grace_s`` to close their shard writers, then kills
 every actor: the run folder stays resumable, and running again on it under any worker count runs only what
-is missing.
+is missing. A node that joins mid-run with none of the run's workers gets one moved from the most crowded
+node (``rebalance_every_s``): the moved worker finishes its shards first, so nothing runs twice.
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gym_ray.config.run_config import ConfigSource, RunConfig, resolve_run_config
+from gym_ray.distributed.actors import (
+    DEFAULT_CLOSE_GRACE_S,
+    RunActors,
+    stop_poller,
+    teardown_actors,
+)
 from gym_ray.distributed.coordinator import FinalizeFn, RunCoordinator
 from gym_ray.distributed.driver import Planner, ShardDriver, driver_max_concurrency
 from gym_ray.distributed.live import (
@@ -66,6 +72,9 @@ from gym_ray.record.run_lock import holding_run_folder
 from gym_ray.run.preflight import preflight
 from gym_ray.run.signals import run_until_signal
 
+#: Seconds between two looks for a node that joined the cluster with none of the run's workers.
+DEFAULT_REBALANCE_S = 10.0
+
 if TYPE_CHECKING:
     from gym_ray.run.collect import ShardSpec
     from gym_ray.run.result import RunResult
@@ -74,24 +83,6 @@ logger = logging.getLogger(__name__)
 
 #: Seconds cancelled workers get to close their shard writers before their actors are killed.
 DEFAULT_CANCEL_GRACE_S = 10.0
-#: Seconds every actor gets to flush its telemetry (``close()``) before it is killed.
-DEFAULT_CLOSE_GRACE_S = 30.0
-
-
-@dataclass
-class RunActors:
-    """The live actors of a distributed run (for status, tests and chaos tools).
-
-    ``workers`` maps worker id -> actor handle and gains replacements as they start; ``nodes`` maps
-    worker id -> the Ray node (hex id) it was placed on; ``lost`` lists the workers that died, in order.
-    """
-
-    driver: Any
-    coordinator: Any
-    workers: dict[str, Any] = field(default_factory=dict)
-    nodes: dict[str, str] = field(default_factory=dict)
-    lost: list[str] = field(default_factory=list)
-    totals: dict[str, WorkerTotals] = field(default_factory=dict)
 
 
 def plan_from_config(run: RunConfig, rows: Any = None, num_workers: int = 1) -> Iterator[ShardSpec]:
@@ -134,6 +125,7 @@ async def run_actors(
     traceparent: str | None = None,
     on_progress: ProgressHook | None = None,
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
+    rebalance_every_s: float | None = DEFAULT_REBALANCE_S,
 ) -> RunResult:
     """Run a planned collection on the Ray this process is connected to (Ray must be initialized).
 
@@ -160,6 +152,9 @@ async def run_actors(
             :class:`~gym_ray.distributed.live.ProgressSnapshot` (absolute counts; see that module), and
             once more, exact, after every worker returned (before finalization).
         progress_interval_s: Seconds between two progress polls.
+        rebalance_every_s: Seconds between two looks for a node with CPUs that none of the run's workers
+            is on (one joined the cluster) while another node has two or more: then one worker of that
+            node finishes its shards and a replacement starts on the new node (None: never).
 
     Returns:
         The run result from ``finalize_run``.
@@ -227,7 +222,7 @@ async def run_actors(
         share_of[worker_id] = share
         # A whole-run cap is split across workers: each admits at most its share, the shares sum to it.
         worker_run = run if share is None else run.with_share(share)
-        live = {w for w in actors.workers if w not in actors.lost}
+        live = set(actors.live())
         options = placement.options(worker_id, live)
         node = placement.node_of(worker_id)
         if node is not None:
@@ -272,13 +267,23 @@ async def run_actors(
             poller = asyncio.ensure_future(
                 poll_progress(coordinator, live_workers, on_progress, interval_s=progress_interval_s)
             )
+        moving: str | None = None
         while runs:
-            done, _ = await asyncio.wait(runs, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(runs, timeout=rebalance_every_s, return_when=asyncio.FIRST_COMPLETED)
+            if not done and moving is None:
+                moving = await _move_a_worker(driver, placement, actors)
             for call in done:
                 worker_id = runs.pop(call)
                 try:
                     actors.totals[worker_id] = call.result()
+                    if worker_id == moving:  # its shards are done: its replacement goes to the new node
+                        moving = None
+                        replacement = f"w{next_index}"
+                        next_index += 1
+                        create_worker(replacement, share_of[worker_id])
+                        launch(replacement)
                 except ray.exceptions.RayActorError as exc:
+                    moving = None if worker_id == moving else moving
                     # A worker's run() also fails when the driver or coordinator it talks to died:
                     # name that actor instead of blaming (and replacing) the workers.
                     await _raise_if_run_actor_lost(actors, run_dir)
@@ -298,7 +303,7 @@ async def run_actors(
                         logger.warning("collect: starting replacement worker %s", replacement)
                         create_worker(replacement, share_of[worker_id])  # takes over the lost share
                         launch(replacement)
-        await _stop_poller(poller)
+        await stop_poller(poller)
         if on_progress is not None:
             on_progress(await progress_snapshot(coordinator, ()))  # every report is in: exact
         status = await driver.status.remote()
@@ -325,10 +330,24 @@ async def run_actors(
         await _raise_if_run_actor_lost(actors, run_dir)
         raise
     finally:
-        await _stop_poller(poller)
-        await _teardown(
+        await stop_poller(poller)
+        await teardown_actors(
             actors, runs, refs, graceful=finished, grace_s=cancel_grace_s, close_grace_s=close_grace_s
         )
+
+
+async def _move_a_worker(driver: Any, placement: WorkerPlacement, actors: RunActors) -> str | None:
+    """Retire one worker of a crowded node when a node with CPUs has none (see ``rebalance_every_s``)."""
+    worker_id = placement.worker_to_move(actors.live())
+    if worker_id is None:
+        return None
+    status = await driver.status.remote()
+    if status.finished or (status.plan_done and not status.queued):
+        return None  # nothing left to hand out: moving would not add work anywhere
+    actors.moved.append(worker_id)
+    await driver.retire.remote(worker_id)
+    logger.info("collect: a node without workers joined; worker %s finishes its shards and moves", worker_id)
+    return worker_id
 
 
 def worker_shares(cap: int | None, num_workers: int) -> list[int | None]:
@@ -377,78 +396,6 @@ def resume_hint(run_dir: str) -> str:
     if (Path(run_dir) / RUN_MANIFEST).exists():
         return f"the run folder {run_dir} is resumable: rerun the same command to run only what is missing"
     return f"nothing was recorded in {run_dir}: rerun the same command to start over"
-
-
-async def _stop_poller(poller: asyncio.Future[None] | None) -> None:
-    """Cancel and join the progress poller (a cancellation of the caller still propagates)."""
-    if poller is None or poller.done():
-        return
-    poller.cancel()
-    (outcome,) = await asyncio.gather(poller, return_exceptions=True)
-    if isinstance(outcome, Exception):
-        logger.warning("collect: progress poller failed: %s: %s", type(outcome).__name__, outcome)
-
-
-async def _teardown(
-    actors: RunActors,
-    runs: dict[asyncio.Future[WorkerTotals], str],
-    refs: dict[str, Any],
-    *,
-    graceful: bool,
-    grace_s: float,
-    close_grace_s: float = DEFAULT_CLOSE_GRACE_S,
-) -> None:
-    """Stop every actor of the run: cancel live ``run()`` calls (wait ``grace_s``), then ``close()`` every
-    live actor so it flushes its telemetry (wait ``close_grace_s``), then kill them all (the backstop)."""
-    import ray
-
-    handles = [
-        *(handle for worker_id, handle in actors.workers.items() if worker_id not in actors.lost),
-        actors.driver,
-        actors.coordinator,
-    ]
-    try:
-        if runs:
-            for worker_id in runs.values():
-                ray.cancel(refs[worker_id])
-            await asyncio.wait(runs, timeout=grace_s)
-            for run in runs:
-                run.cancel()
-            # Retrieve every outcome (cancelled, killed, ...) so that none is reported as never retrieved.
-            await asyncio.gather(*runs, return_exceptions=True)
-            runs.clear()
-        if not graceful:
-            logger.info("collect: stopping the run's actors")
-        await _close_actors(handles, timeout_s=close_grace_s)
-    finally:
-        for handle in [*actors.workers.values(), actors.driver, actors.coordinator]:
-            ray.kill(handle, no_restart=True)
-
-
-async def _close_actors(handles: Sequence[Any], *, timeout_s: float) -> None:
-    """Call ``close()`` on every actor at once and wait up to ``timeout_s`` (a dead or slow actor is
-    logged and left to the kill that follows)."""
-    closing = [asyncio.ensure_future(handle.close.remote()) for handle in handles]
-    _, pending = await asyncio.wait(closing, timeout=timeout_s)
-    for call in pending:
-        call.cancel()
-    outcomes = await asyncio.gather(*closing, return_exceptions=True)
-    import ray
-
-    # An actor that is already dead (the run's error names it) holds nothing more to flush: not worth a line.
-    failed = [
-        o
-        for o in outcomes
-        if isinstance(o, BaseException) and not isinstance(o, ray.exceptions.RayActorError)
-    ]
-    if failed:
-        logger.warning(
-            "collect: %d of %d actors did not close within %g s (%s); telemetry they still held may be lost",
-            len(failed),
-            len(handles),
-            timeout_s,
-            type(failed[0]).__name__,
-        )
 
 
 async def acollect(

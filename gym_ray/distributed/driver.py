@@ -128,6 +128,7 @@ class ShardDriver:
         self._history: dict[str, list[str]] = {}
         self._completed: set[str] = set()
         self._lost: set[str] = set()
+        self._retired: set[str] = set()
         self._failures: list[ShardFailure] = []
         self._requeued_total = 0
 
@@ -225,12 +226,12 @@ class ShardDriver:
 
         Waits while nothing is queued but shards are still planned or in flight elsewhere (their worker
         might die). Returns ``None`` when every shard is complete, when the run is aborted (a shard or
-        the plan failed), or when ``worker_id`` was declared lost.
+        the plan failed), or when ``worker_id`` was declared lost or retired.
         """
         cond = self._cond()
         async with cond:
             while True:
-                if worker_id in self._lost or self._finished():
+                if worker_id in self._lost or worker_id in self._retired or self._finished():
                     return None
                 if self._requeued:
                     spec = self._requeued.popleft()
@@ -292,6 +293,17 @@ class ShardDriver:
             logger.error("driver: shard %s failed in %s: %s", failure.shard, failure.worker, failure.message)
             cond.notify_all()
             return True
+
+    async def retire(self, worker_id: str) -> None:
+        """Hand ``worker_id`` no more shards: it finishes the ones it holds, then its ``run()`` returns.
+
+        Used to move a worker off a crowded node onto one that joined the cluster mid-run; nothing is
+        re-queued and no rollout runs twice.
+        """
+        cond = self._cond()
+        async with cond:
+            self._retired.add(worker_id)
+            cond.notify_all()
 
     async def worker_lost(self, worker_id: str) -> list[str]:
         """Declare ``worker_id`` dead: its unfinished shards go back to the front of the queue.

@@ -14,8 +14,15 @@ running shards wrote disappears from the sum until a replacement finishes those 
 counts those rollouts as ``already_done`` (without the server breakdown). The final snapshot, taken after
 every worker returned, is exact for this run.
 
+Server health: each live worker also answers the health of the servers it sends to (its own
+:class:`~gym_ray.dispatch.health.ServerHealth`); a snapshot merges them per server, the worst state winning
+(:func:`~gym_ray.dispatch.health.merge_health`). A worker that finished or died is no longer asked, so a
+server only it saw down leaves the line.
+
 Display: :class:`ProgressView` turns the snapshots into the progress line (rate and ETA from counts over
-a time window, :mod:`gym_ray.observe.rate`).
+a time window, :mod:`gym_ray.observe.rate`), ending with the servers that look down
+(``| calc_env down 12s``) and, once, the return of one (``| calc_env back after 21s``). A change of which
+servers are down (or back) is written at once, not at the next ``interval_s``.
 
 Concurrency: :func:`poll_progress` is one loop owned by its caller (``run_actors`` cancels and joins it);
 each poll issues one ``status`` call to the coordinator and one ``progress`` call per live worker.
@@ -31,6 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from gym_ray.dispatch.health import ServerHealthSample, health_summary, merge_health
 from gym_ray.observe.progress import ProgressDisplay
 
 logger = logging.getLogger(__name__)
@@ -52,6 +60,7 @@ class ProgressSnapshot:
             their shard finishes, so they arrive in jumps; the rate leaves them out).
         failed_by_class: Failure records by class, over the *finished* shards of this run (a running shard's
             failures count in ``failed`` only until its report arrives).
+        health: Server name -> its health merged over the live workers (empty when none answered).
     """
 
     total: int | None
@@ -60,6 +69,7 @@ class ProgressSnapshot:
     by_server: dict[str, tuple[int, float]]
     already_done: int = 0
     failed_by_class: dict[str, int] = field(default_factory=dict)
+    health: dict[str, ServerHealthSample] = field(default_factory=dict)
 
 
 ProgressHook = Callable[[ProgressSnapshot], None]
@@ -78,6 +88,7 @@ async def progress_snapshot(coordinator: Any, workers: Iterable[Any]) -> Progres
     done = status.succeeded + status.failed + status.already_done
     failed = status.failed
     by_server = dict(status.by_server)
+    samples: list[ServerHealthSample] = []
     for answer in answers:
         if isinstance(answer, BaseException):
             if not isinstance(answer, Exception):
@@ -86,6 +97,7 @@ async def progress_snapshot(coordinator: Any, workers: Iterable[Any]) -> Progres
         done += answer.succeeded + answer.failed
         failed += answer.failed
         by_server = _merged(by_server, answer.by_server)
+        samples.extend(answer.health)
     return ProgressSnapshot(
         total=status.rows_total,
         done=done,
@@ -93,6 +105,7 @@ async def progress_snapshot(coordinator: Any, workers: Iterable[Any]) -> Progres
         by_server=by_server,
         already_done=status.already_done,
         failed_by_class=dict(status.failed_by_class),
+        health=merge_health(samples),
     )
 
 
@@ -163,6 +176,9 @@ class ProgressView:
         self._interval_s = interval_s
         self._enabled = enabled
         self.display: ProgressDisplay | None = None
+        # Servers down at the last snapshot: down_s then, and when that snapshot was taken.
+        self._down: dict[str, tuple[float, float]] = {}
+        self._shown: tuple[tuple[str, str], ...] = ()
 
     def __call__(self, snapshot: ProgressSnapshot) -> None:
         """Take one snapshot (ignored until the total is known)."""
@@ -177,6 +193,7 @@ class ProgressView:
                 enabled=self._enabled,
                 baseline=None,
             )
+        self._show_health(self.display, snapshot.health)
         self.display.update(
             done=snapshot.done,
             failed=snapshot.failed,
@@ -184,6 +201,29 @@ class ProgressView:
             rate_count=snapshot.done - snapshot.already_done,
             failed_by_class=snapshot.failed_by_class,
         )
+
+    def _show_health(self, display: ProgressDisplay, health: Mapping[str, ServerHealthSample]) -> None:
+        """Put the servers that look down (and those just back) at the end of the line; write the line at
+        once when that set changed, else let the next regular line show the new seconds."""
+        now = self._clock()
+        not_up = [s for s in health.values() if s.state != "up"]
+        phrases = [health_summary(not_up)] if not_up else []
+        back = sorted(
+            name
+            for name in self._down
+            if name in health and health[name].state == "up"  # a server no worker sees is not "back"
+        )
+        for name in back:
+            down_s, seen_at = self._down[name]
+            phrases.append(f"{name} back after {down_s + (now - seen_at):.0f}s")
+        self._down = {s.server: (s.down_s, now) for s in not_up if s.state in ("down", "outage")}
+        shown = tuple(sorted((s.server, s.state) for s in not_up))
+        note = ", ".join(phrases)
+        if shown != self._shown or back:
+            self._shown = shown
+            display.set_note(note)
+        else:
+            display.note = note  # the same servers: the next regular line shows the seconds
 
     def close(self) -> None:
         """Write the final line (when a display was built). Idempotent."""

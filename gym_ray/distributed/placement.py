@@ -100,6 +100,22 @@ class WorkerPlacement:
         self._where[worker_id] = node
         return {"num_cpus": 0, "scheduling_strategy": _affinity(node)}
 
+    def worker_to_move(self, live: list[str]) -> str | None:
+        """A worker to move when a node with CPUs has none of ``live`` and another node has two or more.
+
+        Nodes join clusters mid-run (autoscaling, a repaired machine): moving one worker at a time from
+        the most crowded node spreads the run over them. Returns the last started of that node's
+        workers (``live`` is in start order), or None when the spread is already even enough.
+        """
+        candidates = self._candidates()
+        load = Counter(self._where[w] for w in live if w in self._where)
+        if not candidates or all(load[node] > 0 for node in candidates):
+            return None
+        crowded = max(load, key=lambda node: load[node], default=None)
+        if crowded is None or load[crowded] < 2:
+            return None
+        return [w for w in live if self._where.get(w) == crowded][-1]
+
     def node_of(self, worker_id: str) -> str | None:
         """The node chosen for ``worker_id`` (hex id), or None."""
         return self._where.get(worker_id)

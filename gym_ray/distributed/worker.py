@@ -33,7 +33,9 @@ Live progress: :meth:`RolloutWorker.progress` answers the outcomes written so fa
 is *running* (counts by environment server with reward sums, failures), counted per outcome by
 ``run_shard``'s ``on_outcome`` hook (a few integer additions). When a shard finishes its tally moves to the
 coordinator with the shard's report, so "coordinator + live workers" counts every outcome of the run once
-(see :mod:`gym_ray.distributed.api`).
+(see :mod:`gym_ray.distributed.api`). It also carries the worker's server health (one
+:class:`~gym_ray.dispatch.health.ServerHealth` shared by its lanes: which server looks down, for how long),
+so the driver's progress line names a down server (:mod:`gym_ray.distributed.live`).
 
 Ray resources: start it with ``num_cpus=0`` (it waits on the network; four workers must fit on a 2-CPU
 local Ray) and an explicit ``max_concurrency`` (:func:`worker_max_concurrency`), logged at start.
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
     from gym_ray.config.run_config import RunConfig
     from gym_ray.config.settings import RunSettings
     from gym_ray.dispatch.client import ServerClient
+    from gym_ray.dispatch.health import ServerHealth, ServerHealthSample
     from gym_ray.run.collect import OutcomeHook, ShardSpec
     from gym_ray.run.result import ShardReport
 
@@ -149,13 +152,15 @@ class OutcomeTally:
 
 @dataclass(frozen=True)
 class WorkerProgress:
-    """What a worker's running shards wrote so far (not yet reported to the coordinator)."""
+    """What a worker's running shards wrote so far (not yet reported to the coordinator), and how the
+    servers it sends to look from its process (``health``: one sample per server it has sent to)."""
 
     worker: str
     running: tuple[str, ...]
     succeeded: int
     failed: int
     by_server: dict[str, tuple[int, float]]
+    health: tuple[ServerHealthSample, ...] = ()
 
 
 def _default_shard_fn() -> ShardFn:
@@ -218,6 +223,7 @@ class RolloutWorker:
         self._failed_by_class: Counter[str] = Counter()
         self._failures: list[ShardFailure] = []
         self._live: dict[str, OutcomeTally] = {}
+        self._health: ServerHealth | None = None
 
     def node_id(self) -> str:
         """The Ray node (hex id) this actor runs on."""
@@ -244,6 +250,7 @@ class RolloutWorker:
             succeeded=total.succeeded,
             failed=total.failed,
             by_server=total.servers(),
+            health=() if self._health is None else tuple(self._health.snapshot().values()),
         )
 
     async def close(self) -> None:
@@ -265,8 +272,9 @@ class RolloutWorker:
         Raises:
             CancelledError: ``ray.cancel`` of this call; every shard writer and the client are closed.
         """
+        from gym_ray.dispatch.health import health_scope
         from gym_ray.observe.tracing import attach_traceparent, setup_tracing
-        from gym_ray.run.collect import run_shards
+        from gym_ray.run.collect import health_for, run_shards
 
         started = self._clock()
         tracer = setup_tracing(self._run.tracing)
@@ -284,18 +292,23 @@ class RolloutWorker:
             "off" if tracer is None else tracer.settings.exporter,
         )
         traceparent = self._traceparent if tracer is not None else None
-        async with self._client_factory(self._run) as client:
-            with attach_traceparent(traceparent):
-                await run_shards(
-                    self._next_spec,
-                    client=client,
-                    run=self._run,
-                    parallel_shards=self._lanes,
-                    on_report=self._on_report,
-                    worker=self._worker_id,
-                    shard_fn=self._run_counted,
-                    on_error=self._on_error,
-                )
+        async with self._client_factory(self._run) as client, health_for(self._run, client) as health:
+            # One health object for every lane, kept here so progress() can show it to the driver.
+            self._health = health
+            try:
+                with health_scope(health), attach_traceparent(traceparent):
+                    await run_shards(
+                        self._next_spec,
+                        client=client,
+                        run=self._run,
+                        parallel_shards=self._lanes,
+                        on_report=self._on_report,
+                        worker=self._worker_id,
+                        shard_fn=self._run_counted,
+                        on_error=self._on_error,
+                    )
+            finally:
+                self._health = None
         return WorkerTotals(
             worker=self._worker_id,
             pid=os.getpid(),

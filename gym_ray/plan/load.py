@@ -21,11 +21,13 @@ from gym_ray.plan.rows import (
 )
 
 # The row checks moved to gym_ray.plan.validation and gym_ray.plan.rows; they stay importable from here.
-__all__ = ["MAX_LINE_BYTES", "load_jsonl"]
+__all__ = ["MAX_LINE_BYTES", "STRICT_JSON_HINT", "load_jsonl", "non_finite_problem"]
 
 
 #: Longest accepted input line, in bytes (without its newline).
 MAX_LINE_BYTES = 64 * 1024 * 1024
+#: How to accept what strict JSON refuses (the end of every such message).
+STRICT_JSON_HINT = "or set strict_json: false (+strict_json=false) to accept it as Python's json does"
 
 
 class _StrictJsonProblem(ValueError):
@@ -41,7 +43,7 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         if key in seen:
             raise _StrictJsonProblem(
                 f"duplicate key {key!r} in one JSON object (a JSON reader keeps only one of the values); "
-                "remove or rename one of them"
+                f"remove or rename one of them, {STRICT_JSON_HINT}"
             )
         seen.add(key)
     return obj  # pragma: no cover - a shorter dict always has a repeated key
@@ -49,7 +51,8 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _refuse_constant(name: str) -> float:
     raise _StrictJsonProblem(
-        f"non-finite number {name} (not JSON: servers refuse it); write null or a finite number"
+        f"non-finite number {name} (not JSON: servers refuse it); write null or a finite number, "
+        + STRICT_JSON_HINT
     )
 
 
@@ -57,7 +60,8 @@ def _finite_float(text: str) -> float:
     value = float(text)
     if math.isinf(value):
         raise _StrictJsonProblem(
-            f"number {text[:40]} overflows to infinity (not a finite JSON number); write a smaller number"
+            f"number {text[:40]} overflows to infinity (not a finite JSON number); write a smaller number, "
+            + STRICT_JSON_HINT
         )
     return value
 
@@ -93,6 +97,35 @@ def _fast_decode(content: bytes, strict_json: bool) -> Any:
     if strict_json and (b"\\u003" in content or content.count(b":") != again.count(b":")):
         return _SLOW  # maybe a repeated key: the json decoder names it
     return row
+
+
+def non_finite_problem(value: Any, *, at: str = "") -> str | None:
+    """What strict JSON refuses in an in-memory row (``NaN`` or an infinity anywhere in it), or None.
+
+    Rows passed as Python objects cannot hold a duplicate key, but a float can be ``nan`` or ``inf``,
+    which ``json.dumps`` writes as ``NaN`` / ``Infinity`` and a server refuses. The message names the
+    place (``score``, ``w[1]``, ``responses_create_params.temperature``) and what to do.
+
+    Example:
+        >>> non_finite_problem({"score": 0.5, "w": [1.0, 2.0]}) is None
+        True
+        >>> non_finite_problem({"w": [1.0, float("inf")]}).split(" (")[0]
+        'non-finite number inf at w[1]'
+    """
+    stack: list[tuple[str, Any]] = [(at, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return (
+                    f"non-finite number {item!r} at {where or 'the row'} (not JSON: servers refuse it); "
+                    f"write None or a finite number, {STRICT_JSON_HINT}"
+                )
+        elif isinstance(item, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in reversed(item.items()))
+        elif isinstance(item, list | tuple):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    return None
 
 
 def load_jsonl(

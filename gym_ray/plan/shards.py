@@ -35,9 +35,9 @@ from gym_ray import keys
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
-from gym_ray.errors import GymRayError, RecordError, ResumeError, UsageError
+from gym_ray.errors import GymRayError, InputError, RecordError, ResumeError, UsageError
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
-from gym_ray.plan.load import load_jsonl
+from gym_ray.plan.load import load_jsonl, non_finite_problem
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
 from gym_ray.plan.run_manifest import RUN_MANIFEST, open_run, read_run_manifest, write_run_manifest
 from gym_ray.plan.validation import validate_rows
@@ -419,6 +419,15 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _finite_rows(rows: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+    """``rows``, refusing the first one that holds ``nan`` / ``inf`` (``strict_json``)."""
+    for pos, row in enumerate(rows):
+        problem = non_finite_problem(row)
+        if problem is not None:
+            raise InputError(f"input row {pos}: {problem}", row=pos)
+        yield row
+
+
 def input_rows(
     settings: RunSettings,
     topology: Topology,
@@ -428,7 +437,9 @@ def input_rows(
 
     Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``, cut to the
     first ``limit`` rows when ``limit`` is set. The returned callable takes an optional
-    ``task_numbering`` (see :func:`gym_ray.plan.preprocess.iter_preprocess`).
+    ``task_numbering`` (see :func:`gym_ray.plan.preprocess.iter_preprocess`). With ``strict_json`` (the
+    default) a file's duplicate keys and non-finite numbers, and ``nan`` / ``inf`` in passed rows, raise
+    :class:`~gym_ray.errors.InputError` naming the file and line, or the row, while the rows are read.
     """
     if rows is None:
         if settings.input_jsonl_fpath is None:
@@ -439,14 +450,14 @@ def input_rows(
         path = settings.input_jsonl_fpath
 
         def source() -> Iterable[Mapping[str, Any]]:
-            return load_jsonl(path)
+            return load_jsonl(path, strict_json=settings.strict_json)
     else:
         if iter(rows) is rows:
             raise UsageError("rows must be a re-iterable collection (a list), not a one-shot iterator")
         fixed = rows
 
         def source() -> Iterable[Mapping[str, Any]]:
-            return fixed
+            return _finite_rows(fixed) if settings.strict_json else fixed
 
     limit = settings.limit or None  # NeMo Gym: 0 or null = every row
 

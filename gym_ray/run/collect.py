@@ -30,6 +30,7 @@ from gym_ray.dispatch.engine import dispatch
 from gym_ray.dispatch.health import ServerHealth, current_health, health_scope
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
 from gym_ray.errors import NoProgressError
+from gym_ray.observe.health_metrics import health_metrics
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
 from gym_ray.observe.tracing import job_span, run_scope, setup_tracing
 from gym_ray.plan.resume import plan_resume
@@ -108,8 +109,16 @@ async def run_shard(
 
 
 def health_for(run: RunConfig, client: ServerClient) -> ServerHealth:
-    """The server health tracker of one process, from the run's settings (probes go through ``client``)."""
-    return ServerHealth(client, outage_timeout_s=run.settings.server_outage_timeout_s)
+    """The server health tracker of one process, from the run's settings (probes go through ``client``).
+
+    With metrics enabled it feeds the ``gym_ray.server.*`` instruments
+    (:mod:`gym_ray.observe.health_metrics`).
+    """
+    return ServerHealth(
+        client,
+        outage_timeout_s=run.settings.server_outage_timeout_s,
+        listener=health_metrics(setup_tracing(run.tracing)),
+    )
 
 
 async def _run_shard(
@@ -336,6 +345,7 @@ async def acollect_local(
     rows: Iterable[Mapping[str, Any]] | None = None,
     overrides: Iterable[str] = (),
     progress: bool | None = None,
+    progress_every_s: float = 1.0,
     require_complete: bool = False,
     **settings: Any,
 ) -> RunResult:
@@ -351,6 +361,8 @@ async def acollect_local(
         progress: Show a :class:`~gym_ray.observe.progress.ProgressDisplay` on stderr (rollouts this call
         runs,
             rate, failures, ETA, mean reward per environment server); None shows it when stderr is a TTY.
+        progress_every_s: Seconds between two progress lines at most (a server's outage or return is
+            shown at once).
         require_complete: Raise :class:`~gym_ray.errors.IncompleteRunError` when the run ends with failed
             or pending rollouts beyond ``max_failed_fraction`` (the run folder is finalized first).
         **settings: Run settings that win over the config (``output_dir=...``, ``num_repeats=4``).
@@ -372,15 +384,19 @@ async def acollect_local(
         run = await resolve_run_config(config, overrides=overrides, settings=settings)
         await preflight(run, rows=rows)
         if run.settings.output_dir is None:
-            result = await _collect_locked(run, rows, progress, started)
+            result = await _collect_locked(run, rows, progress, progress_every_s, started)
         else:
             with holding_run_folder(run.settings.output_dir, what="collect"):
-                result = await _collect_locked(run, rows, progress, started)
+                result = await _collect_locked(run, rows, progress, progress_every_s, started)
     return result
 
 
 async def _collect_locked(
-    run: RunConfig, rows: Iterable[Mapping[str, Any]] | None, progress: bool | None, started: float
+    run: RunConfig,
+    rows: Iterable[Mapping[str, Any]] | None,
+    progress: bool | None,
+    progress_every_s: float,
+    started: float,
 ) -> RunResult:
     with measuring("plan"):
         plan = await asyncio.to_thread(prepare_run, run, rows=rows)
@@ -389,7 +405,7 @@ async def _collect_locked(
     async def next_spec() -> ShardSpec | None:
         return next(specs, None)
 
-    display = ProgressDisplay(0, stream=sys.stderr, enabled=progress)
+    display = ProgressDisplay(0, stream=sys.stderr, enabled=progress, interval_s=progress_every_s)
     if display.enabled:
         display.total = await asyncio.to_thread(_pending_count, plan, run.settings)
     tracer = setup_tracing(run.tracing)

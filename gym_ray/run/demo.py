@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gym_ray.errors import UsageError
 from gym_ray.record.aggregate import read_metrics_summary
 from gym_ray.run.result import RunResult
 
@@ -132,13 +133,19 @@ def run_main(args: argparse.Namespace) -> int:
     paths = [c for c in args.config if "=" not in c]
     overrides = [c for c in args.config if "=" in c]
     check_workers(args.workers, name="--workers")
+    if args.local:
+        for flag, value in (("--workers", args.workers), ("--address", args.address)):
+            if value is not None:
+                raise UsageError(f"{flag} has no effect with --local (one process, no Ray); drop one of them")
     every_s = _progress_interval(args.progress)
     settings = {"health_check": False} if args.no_health_check else {}
     run = asyncio.run(resolve_run_config(paths, overrides=overrides, settings=settings))
     run_dir = str(run.settings.output_dir)
     try:
         if args.local:
-            result = run_until_signal(acollect_local(run, progress=every_s is not None and every_s <= 1.0))
+            result = run_until_signal(
+                acollect_local(run, progress=every_s is not None, progress_every_s=every_s or 1.0)
+            )
         else:
             from gym_ray.distributed.api import collect
 
@@ -175,8 +182,6 @@ def _record_command(run_dir: str, paths: list[str], overrides: list[str]) -> Non
 def _progress_interval(value: str) -> float | None:
     """``--progress``: None = off; auto = 1 s on a TTY, 30 s otherwise; or a number of seconds."""
     import sys
-
-    from gym_ray.errors import UsageError
 
     if value == "off":
         return None

@@ -28,6 +28,7 @@ __all__ = [
     "bundled_config_path",
     "bundled_dataset_path",
     "calc_config",
+    "calc_rows",
     "compute_aggregate_metrics",
     "load_bundled_config",
     "serve_config",
@@ -83,3 +84,15 @@ def calc_config(**env_fields: Any) -> dict[str, Any]:
         "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
         "calc_env": {"environment_servers": {"example_env": env}},
     }
+
+
+def calc_rows(n: int) -> list[dict[str, Any]]:
+    """``n`` distinct rows for :func:`calc_config`'s ``calc_agent``: row ``i`` asks "What is i + 1?"."""
+    return [
+        {
+            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
+            "expected_answer": str(i + 1),
+            "agent_ref": {"name": "calc_agent"},
+        }
+        for i in range(n)
+    ]

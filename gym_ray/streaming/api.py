@@ -36,6 +36,7 @@ def stream(
     on_stale: StaleCallback | None = None,
     group_filter: GroupFilter | Sequence[GroupFilter] | None = None,
     max_groups_in_flight: int | None = None,
+    health_check: bool = True,
 ) -> RolloutStream:
     """Stream rollouts of ``rows`` from Ray worker actors, in completion order, with backpressure.
 
@@ -55,6 +56,8 @@ def stream(
             the stream runs. Rows are copied and stamped with ``_ng_task_index`` (their own int, else a
             counter in input order), ``_ng_rollout_index`` and ``_ng_run_id``.
         config: The running config (dict, or YAML path); a head-only config is completed from the head.
+            Run settings of ``gym-ray run`` (``num_repeats``, ``output_dir``, ...) and a ``tracing:`` block
+            are refused, not ignored: the stream's own options below do their jobs.
         num_workers: Worker actors (``num_cpus=0`` each).
         group_size: Run each input row this many times and yield the task's rollouts together, as a
             :class:`~gym_ray.streaming.groups.RolloutGroup` ordered by rollout index, once all are done.
@@ -74,12 +77,18 @@ def stream(
             delivered only when every filter returns True, e.g. :func:`gym_ray.drop_uniform_reward`.
         max_groups_in_flight: Input rows (groups) read and not yet complete at most (None: bounded by
             ``max_in_flight`` only); ``next_batch(oversample=...)`` sets it too.
+        health_check: Before Ray starts, probe every environment server of the config (``GET /``) and
+            raise at once when one is unreachable or answers 5xx (False: rows to a server that is down
+            wait for it, up to 300 s, then the stream raises ``ServerOutageError``).
 
     Returns:
         The stream; nothing starts until ``async with``, :meth:`RolloutStream.start` or the first item.
 
     Raises:
         UsageError: A bad option (raised here), or a non-dict row (raised by iteration).
+        ConfigError: The config is bad or sets a run setting (raised on start, before Ray starts).
+        ServerConnectionError / ServerHTTPError: ``health_check`` found a server down (on start, before
+            Ray starts).
         ValidationError: Rows disagree with the running config (raised by iteration).
     """
     return RolloutStream(
@@ -100,4 +109,5 @@ def stream(
         on_stale=on_stale,
         group_filter=group_filter,
         max_groups_in_flight=max_groups_in_flight,
+        health_check=health_check,
     )

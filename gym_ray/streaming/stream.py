@@ -56,9 +56,12 @@ from types import TracebackType
 from typing import Any
 
 from gym_ray import keys
-from gym_ray.errors import NoProgressError, UsageError
+from gym_ray.errors import GymRayError, InputError, NoProgressError, UsageError
+from gym_ray.plan.load import non_finite_problem
 from gym_ray.record.recorded import recorded_keys
 from gym_ray.record.run_lock import RunLock
+from gym_ray.run.preflight import check_ports, check_servers
+from gym_ray.streaming.config_check import check_stream_config
 from gym_ray.streaming.control import StreamControls
 from gym_ray.streaming.delivery import Delivery, StaleCallback
 from gym_ray.streaming.filters import GroupFilter
@@ -96,6 +99,18 @@ class _Slot:
     assigned: dict[int, Row] = field(default_factory=dict)
 
 
+def _worker_error(exc: Exception) -> Exception:
+    """The error a worker raised, without Ray's wrapping: a ``RayTaskError`` of a gym_ray error (e.g.
+    ``ServerOutageError``) would otherwise reach the consumer with the worker's whole traceback as its
+    message."""
+    import ray
+
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, GymRayError):
+        return cause
+    return exc
+
+
 class RolloutStream(StreamControls):
     """An async iterator of ``(row, result | RolloutFailureRecord)`` in completion order (see module doc).
 
@@ -126,6 +141,7 @@ class RolloutStream(StreamControls):
         on_stale: StaleCallback | None = None,
         group_filter: GroupFilter | Sequence[GroupFilter] | None = None,
         max_groups_in_flight: int | None = None,
+        health_check: bool = True,
     ) -> None:
         for name, value, low in (
             ("num_workers", num_workers, 1),
@@ -159,11 +175,13 @@ class RolloutStream(StreamControls):
         self._restarts_left = 2 * num_workers if max_worker_restarts is None else max_worker_restarts
         self._connect_timeout_s = connect_timeout_s
         self._retry_requests = retry_requests
+        self._health_check = health_check
         self.run_id = run_id or uuid.uuid4().hex
         self._state = "new"  # new -> running -> closed
         self._owns_ray = False
         self._lock: RunLock | None = None
         self._topology: Any = None
+        self._settings: Any = None
         self._slots: list[_Slot] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._pullers: set[asyncio.Task[None]] = set()
@@ -276,7 +294,13 @@ class RolloutStream(StreamControls):
 
         if self._record_dir is not None:  # one run per folder: refused before anything starts
             self._lock = RunLock(self._record_dir, what="stream").acquire()
-        self._topology = (await resolve_run_config(self._config)).topology
+        run = await resolve_run_config(self._config)
+        check_stream_config(run)
+        check_ports(run.topology)
+        if self._health_check:  # a wrong host or port is one line now, not an outage timeout later
+            await check_servers(run.topology)
+        self._topology = run.topology
+        self._settings = run.settings  # strict_json, server_outage_timeout_s, max_infra_retries
         if not ray.is_initialized():
             from gym_ray.distributed.placement import ray_init_kwargs
 
@@ -330,6 +354,8 @@ class RolloutStream(StreamControls):
             retry_requests=self._retry_requests,
             policy_version=self._version,
             paused=self._paused,
+            server_outage_timeout_s=self._settings.server_outage_timeout_s,
+            max_infra_retries=self._settings.max_infra_retries,
         )
         slot.run_ref = slot.handle.run.remote()
 
@@ -343,7 +369,7 @@ class RolloutStream(StreamControls):
             await coro
         except Exception as exc:
             if self._error is None:
-                self._error = exc
+                self._error = _worker_error(exc)
             self._notify()
 
     def _notify(self) -> None:
@@ -420,6 +446,12 @@ class RolloutStream(StreamControls):
             task = own if type(own) is int else next_task
             next_task = max(next_task, task + 1)
             position = self._read + self._skipped
+            if self._settings.strict_json and isinstance(raw, Mapping):
+                problem = non_finite_problem(raw)
+                if problem is not None:
+                    raise InputError(
+                        f"stream input row {position // width}: {problem}", row=position // width
+                    )
             rows = stamp_rows(
                 raw,
                 position=position // width,

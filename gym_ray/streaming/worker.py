@@ -49,6 +49,12 @@ logger = logging.getLogger(__name__)
 #: calls).
 STREAM_WORKER_MAX_CONCURRENCY = 16
 
+#: What a stream's outage error ends with.
+STREAM_STOP_HINT = (
+    "the stream stopped: bring the server back, then open a new stream (with record_dir and resume=True it "
+    "skips the rows already delivered)"
+)
+
 Outcome = dict[str, Any] | RolloutFailureRecord
 SeqRow = tuple[int, dict[str, Any]]
 #: ``(seq, outcome, policy version the row was admitted under)``.
@@ -125,6 +131,9 @@ class StreamWorker:
         retry_requests: Replay a request after a connection failure (see :class:`ServerClient`).
         policy_version: The version stamped on admitted rows until told otherwise.
         paused: Start with admission paused (until ``resume``).
+        server_outage_timeout_s: How long a server may look down (its rows waiting) before its waiting
+            rows raise :class:`~gym_ray.errors.ServerOutageError` (the run setting of the same name).
+        max_infra_retries: Resends of one row after infrastructure failures while its server looked up.
     """
 
     def __init__(
@@ -139,6 +148,8 @@ class StreamWorker:
         retry_requests: bool,
         policy_version: int = 0,
         paused: bool = False,
+        server_outage_timeout_s: float = 300.0,
+        max_infra_retries: int = 10,
     ) -> None:
         if max_in_flight < 1 or inbox_size < 1:
             raise InternalError(f"max_in_flight={max_in_flight} and inbox_size={inbox_size} must be >= 1")
@@ -151,6 +162,8 @@ class StreamWorker:
         self._retry_requests = retry_requests
         self._version = policy_version
         self._paused = paused
+        self._outage_timeout_s = server_outage_timeout_s
+        self._max_infra_retries = max_infra_retries
         self._inbox: deque[SeqRow] = deque()
         self._outbox: deque[Finished] = deque()
         self._credits = max_in_flight
@@ -368,7 +381,9 @@ class StreamWorker:
                     request_timeout_s=self._request_timeout_s,
                     retry_requests=self._retry_requests,
                 ) as client,
-                ServerHealth(client) as health,
+                ServerHealth(
+                    client, outage_timeout_s=self._outage_timeout_s, stop_hint=STREAM_STOP_HINT
+                ) as health,
             ):
                 # infrastructure failures are resent and a down server's rows wait (see ServerHealth)
                 runner = build_dispatcher(
@@ -378,6 +393,7 @@ class StreamWorker:
                     route_failures_to_sidecar=True,
                     retry_requests=self._retry_requests,
                     health=health,
+                    max_infra_retries=self._max_infra_retries,
                 )
                 async with asyncio.TaskGroup() as group:
                     admit = group.create_task(self._admit(group, runner))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gym_ray.bench.chaos import temp_leftovers
 from gym_ray.config.run_config import resolve_run_config
 from gym_ray.errors import ResumeError
 from gym_ray.plan.shards import iter_prepare_run
@@ -158,8 +159,7 @@ async def test_sigkill_resume_cycles_leave_no_temp_folder_and_lose_nothing(tmp_p
         )
         requests = dep.stats("calc_env").requests
     report = check_run(out)
-    temp_prefixes = (".staging", ".aggregate", ".merge")
-    leftovers = sorted(p.name for p in out.iterdir() if p.name.startswith(temp_prefixes))
+    leftovers = temp_leftovers(out)
     print_figures(
         "kill/resume cycles",
         killed_after_requests=kills,

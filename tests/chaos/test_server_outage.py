@@ -19,12 +19,13 @@ from typing import Any
 
 import pytest
 
+from gym_ray.bench.chaos import failure_records
 from gym_ray.distributed.api import acollect
 from gym_ray.errors import ServerOutageError
 from gym_ray.record.ledger import check_run
 from gym_ray.record.status import format_status, run_status
 from gym_ray.run.collect import acollect_local
-from gym_ray.servers import calc_config, serve_config, start_in_thread
+from gym_ray.servers import calc_config, calc_rows, serve_config, start_in_thread
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,15 +34,9 @@ def _config(latency_ms: int) -> dict[str, Any]:
     return calc_config(seed=3, latency_ms=latency_ms, latency_jitter_ms=0)
 
 
-def _rows(n: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
-            "expected_answer": str(i + 1),
-            "agent_ref": {"name": "calc_agent"},
-        }
-        for i in range(n)
-    ]
+# The scenario helpers `gym-ray bench chaos` uses (one copy, in the package).
+_rows = calc_rows
+_failure_lines = failure_records
 
 
 async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -50,10 +45,6 @@ async def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 60
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-def _failure_lines(out: Path) -> int:
-    return sum(len(p.read_text().splitlines()) for p in out.glob("rollouts-*_failures.jsonl"))
 
 
 def print_figures(name: str, **figures: Any) -> None:
@@ -196,4 +187,57 @@ async def test_a_distributed_run_stops_with_server_outage_error_and_a_rerun_comp
         )
     report = check_run(out)
     assert (result.succeeded, result.failed) == (200, 0)
+    assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
+
+
+_NUMBERS = r"\d+/1200 \(\d+\.\d%\) (?:--|\d+\.\d)/s failed 0 ETA \S+ \| calc_env \d\.\d\d"
+
+
+@pytest.mark.ray
+async def test_the_progress_line_of_a_distributed_run_names_a_down_server_and_its_return(
+    ray_session: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    # 1,200 rows: the run goes on for seconds after the restart, so a poll sees the server back.
+    settings: dict[str, Any] = {"shard_size": 100, "max_resident_tasks": 4, "server_outage_timeout_s": 120.0}
+    err: list[str] = []
+
+    def seen(text: str) -> bool:
+        err.append(capsys.readouterr().err)
+        return text in "".join(err)
+
+    with start_in_thread(_config(latency_ms=20)) as servers:
+        run = asyncio.create_task(
+            acollect(
+                servers.config,
+                rows=_rows(1200),
+                output_dir=str(out),
+                num_workers=2,
+                progress=True,
+                **settings,
+            )
+        )
+        try:
+            await _until(lambda: servers.stats("calc_env").requests >= 40, "40 requests", timeout_s=120)
+            await asyncio.to_thread(servers.stop_server, "calc_env")
+            # The outage lasts until the driver's line has named it (the worker's health reached the driver).
+            await _until(lambda: seen("| calc_env down "), "a progress line naming calc_env down")
+            await asyncio.to_thread(servers.restart_server, "calc_env")
+            result = await run
+        finally:
+            run.cancel()
+    err.append(capsys.readouterr().err)
+    lines = "".join(err).splitlines()
+    down = [line for line in lines if re.fullmatch(rf"{_NUMBERS} \| calc_env down \d+s", line)]
+    back = [line for line in lines if re.fullmatch(rf"{_NUMBERS} \| calc_env back after \d+s", line)]
+    naming = [line for line in lines if line.count("calc_env") > 1]
+    print_figures("R15 ray progress", down_lines=len(down), back_lines=len(back), lines=len(lines))
+    assert down, lines
+    assert len(back) == 1, lines  # the return is told once
+    assert lines.index(back[0]) > lines.index(down[0])
+    assert sorted(naming) == sorted(down + back), lines  # no other wording names the server
+    assert re.fullmatch(r"1200/1200 \(100\.0%\) \d+\.\d/s failed 0 ETA 0s \| calc_env 1\.00", lines[-1])
+    assert (result.succeeded, result.failed) == (1200, 0)
+    assert _failure_lines(out) == 0
+    report = check_run(out)
     assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)

@@ -385,6 +385,7 @@ def test_run_settings_defaults() -> None:
         "disable_health_check": True,
         "health_check": True,
         "max_failed_fraction": 0.0,
+        "strict_json": True,
     }
 
 

@@ -7,11 +7,13 @@ stdout is a JSON report that tests/distributed/test_multinode.py asserts on.
 Cluster: a head node with ``num_cpus=0`` (it holds the caller, the driver and the coordinator) and two
 worker nodes with one CPU each; reference servers in this process, 40 ms per rollout.
 
-Scenarios, two runs on one cluster (a cluster start costs seconds):
+Scenarios, three runs on one cluster (a cluster start costs seconds):
 - ``spread``: 4 workers; where each one was placed and where it actually runs, and where the driver and
   the coordinator run.
 - ``node_loss``: 4 workers; once 60 rollouts are done, the second worker node is removed (its two
   workers die with it); the run must finish on the other node with nothing lost.
+- ``node_added``: 4 workers on the one worker node left; a one-CPU node joins mid-run: one worker finishes
+  its shards and its replacement runs on the new node, nothing lost and nothing run twice.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import functools
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +58,18 @@ async def _until(predicate: Any, what: str, timeout_s: float = 120.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _one_run(cluster: Any, servers: Any, run_dir: Path, *, lose_node: Any = None) -> dict[str, Any]:
-    """A 4-worker run of ``ROWS`` x ``REPEATS`` rollouts; removes ``lose_node`` after 60 finished rollouts."""
+async def _one_run(
+    cluster: Any,
+    servers: Any,
+    run_dir: Path,
+    *,
+    lose_node: Any = None,
+    add_node: bool = False,
+    shard_size: int = 10,
+    max_resident_tasks: int = 4,
+) -> dict[str, Any]:
+    """A 4-worker run of ``ROWS`` x ``REPEATS`` rollouts; removes ``lose_node`` after 60 finished rollouts,
+    or adds a one-CPU node once the workers run (``add_node``)."""
     import ray
 
     from gym_ray.config.run_config import resolve_run_config
@@ -68,8 +81,8 @@ async def _one_run(cluster: Any, servers: Any, run_dir: Path, *, lose_node: Any 
         servers.config,
         settings={
             "output_dir": str(run_dir),
-            "shard_size": 10,
-            "max_resident_tasks": 4,
+            "shard_size": shard_size,
+            "max_resident_tasks": max_resident_tasks,
             "num_repeats": REPEATS,
         },
     )
@@ -81,6 +94,7 @@ async def _one_run(cluster: Any, servers: Any, run_dir: Path, *, lose_node: Any 
             run_dir=str(run_dir),
             num_workers=4,
             on_started=started.append,
+            rebalance_every_s=0.5,
         )
     )
     await _until(lambda: bool(started) or task.done(), "the actors to start")
@@ -94,14 +108,22 @@ async def _one_run(cluster: Any, servers: Any, run_dir: Path, *, lose_node: Any 
     if lose_node is not None:
         await _until(lambda: _completed(servers) >= 60 or task.done(), "60 finished rollouts")
         cluster.remove_node(lose_node)
+    if add_node:
+        await _until(lambda: _completed(servers) >= 1 or task.done(), "a first finished rollout")
+        # Ray starts the raylet from the main thread only; this loop pauses meanwhile, the actors do not.
+        node = cluster.add_node(num_cpus=1, object_store_memory=NODE_OBJECT_STORE_BYTES)
+        report["added"] = node.node_id
     result = await task
     ledger = check_run(run_dir).as_dict()
+    summary = json.loads(await asyncio.to_thread(Path(result.summary_path).read_text))
     report.update(
         planned=result.planned,
         succeeded=result.succeeded,
         failed=result.failed,
         lost_workers=sorted(actors.lost),
         replacements={w: actors.nodes.get(w) for w in actors.workers if w not in initial},
+        moved=list(actors.moved),
+        shards_by_worker=dict(Counter(t["worker"] for t in summary["distributed"]["shard_timings"])),
         wasted_requests=_completed(servers) - result.planned,
         ledger={k: ledger[k] for k in ("lost", "missing", "duplicates", "corrupt_lines")},
     )
@@ -122,12 +144,20 @@ async def _scenarios(workdir: Path) -> dict[str, Any]:
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     cluster.wait_for_nodes()
     cfg = load_bundled_config()
-    cfg["arith_env"]["environment_servers"]["example_env"].update(latency_ms=40, latency_jitter_ms=0)
+    env = cfg["arith_env"]["environment_servers"]["example_env"]
+    env.update(latency_ms=40, latency_jitter_ms=0)
     report: dict[str, Any] = {"head": cluster.head_node.node_id, "nodes": [node.node_id for node in nodes]}
     try:
         with start_in_thread(cfg) as servers:
             report["spread"] = await _one_run(cluster, servers, workdir / "spread")
             report["node_loss"] = await _one_run(cluster, servers, workdir / "node_loss", lose_node=nodes[1])
+        # 300 ms per rollout, 2 in flight per worker, 10 rollouts per shard: a run of ~10 s on one node,
+        # long enough for a node to join and one worker to move there.
+        env["latency_ms"] = 300
+        with start_in_thread(cfg) as slow:
+            report["node_added"] = await _one_run(
+                cluster, slow, workdir / "node_added", add_node=True, shard_size=5, max_resident_tasks=1
+            )
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray._private.state as ray_state
 
 from gym_ray import keys
 from gym_ray.config.run_config import resolve_run_config
@@ -126,12 +127,29 @@ def _recorded(run_dir: Path) -> set[tuple[int, int]]:
     return found
 
 
+def _exited(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status  # a zombie runs no code
+
+
+async def _wait_for_exit(pids: list[int]) -> None:
+    for _ in range(3000):
+        if all(_exited(pid) for pid in pids):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"processes {pids} still run 60 s after their actors were killed")
+
+
 async def test_a_cancelled_run_resumes_under_another_worker_count_without_redispatch(
     ray_session: Any, servers: ThreadedDeployment, tmp_path: Path
 ) -> None:
     rows = _rows(120)
     settings = {"num_repeats": 2, "shard_size": 10, "max_resident_tasks": 4}
     servers.reset_stats()
+    earlier_actors = set(ray_state.actors())
     first = asyncio.ensure_future(
         acollect(servers.config, rows=rows, output_dir=str(tmp_path), num_workers=3, **settings)
     )
@@ -139,6 +157,11 @@ async def test_a_cancelled_run_resumes_under_another_worker_count_without_redisp
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
+    # ray.kill returns before the processes are gone: read the folder once nothing of the first run can
+    # still write to it.
+    await _wait_for_exit(
+        [a["Pid"] for actor_id, a in ray_state.actors().items() if actor_id not in earlier_actors]
+    )
     before = _recorded(tmp_path)
     assert 0 < len(before) < 240
     servers.reset_stats()

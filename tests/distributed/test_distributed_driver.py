@@ -71,6 +71,38 @@ async def test_a_lost_workers_shards_go_back_to_the_front_and_the_lost_worker_ge
     await driver.close()
 
 
+async def test_a_retired_worker_keeps_its_shards_and_gets_none_and_its_waiting_lane_is_released() -> None:
+    driver = ShardDriver(lambda: _specs(3), lookahead=4)
+    held = [await driver.next_shard("w0"), await driver.next_shard("w1")]
+    assert [spec.shard for spec in held if spec is not None] == ["00000", "00001"]
+    await driver.retire("w0")
+    assert await driver.next_shard("w0") is None
+    third = await driver.next_shard("w1")
+    assert third is not None
+    assert third.shard == "00002"
+    waiting = asyncio.ensure_future(driver.next_shard("w1"))  # nothing queued: w1's second lane waits
+    await _settle()
+    assert not waiting.done()
+    status = await driver.status()
+    assert (status.requeued_total, status.in_flight) == (0, {"w0": ("00000",), "w1": ("00001", "00002")})
+    for worker, shard in (("w0", "00000"), ("w1", "00001"), ("w1", "00002")):
+        assert await driver.shard_finished(worker, shard) is True  # the retired worker's completion counts
+    assert await waiting is None
+    assert (await driver.status()).finished is True
+    await driver.close()
+
+
+async def test_retiring_a_worker_releases_its_waiting_lane() -> None:
+    driver = ShardDriver(lambda: _specs(1), lookahead=2)
+    assert (await driver.next_shard("w1")) is not None
+    waiting = asyncio.ensure_future(driver.next_shard("w0"))
+    await _settle()
+    assert not waiting.done()
+    await driver.retire("w0")
+    assert await waiting is None
+    await driver.close()
+
+
 async def test_a_waiting_worker_takes_over_a_dead_workers_shard() -> None:
     driver = ShardDriver(lambda: _specs(1), lookahead=2)
     spec = await driver.next_shard("w0")

@@ -51,3 +51,23 @@ def test_a_local_run_never_joins_another_cluster_on_the_machine(monkeypatch: Any
     assert ray_init_kwargs("ray://head:10001") == {"address": "ray://head:10001"}
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert ray_init_kwargs(None) == {"address": None}
+
+
+def test_a_node_that_joins_with_no_workers_gets_the_last_started_worker_of_the_most_crowded_node() -> None:
+    nodes = [_node(HEAD, 0), _node(A, 1)]
+    placement = WorkerPlacement(nodes)
+    assert _chosen(placement, ["w0", "w1", "w2"], set()) == [A, A, A]
+    assert placement.worker_to_move(["w0", "w1", "w2"]) is None  # one node: nothing to spread over
+    nodes.append(_node(B, 1))  # B joins mid-run
+    assert placement.worker_to_move(["w0", "w1", "w2"]) == "w2"
+    # w2 finished its shards and left; its replacement w3 goes to B, which then holds one: even enough.
+    assert _chosen(placement, ["w3"], {"w0", "w1"}) == [B]
+    assert placement.worker_to_move(["w0", "w1", "w3"]) is None
+
+
+def test_no_move_when_the_crowded_node_has_a_single_worker() -> None:
+    nodes = [_node(A, 1), _node(B, 1)]
+    placement = WorkerPlacement(nodes)
+    assert _chosen(placement, ["w0", "w1"], set()) == [A, B]
+    nodes.append(_node(X, 4))
+    assert placement.worker_to_move(["w0", "w1"]) is None  # moving one would only empty another node

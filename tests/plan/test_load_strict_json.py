@@ -19,22 +19,26 @@ GOOD = '{"responses_create_params": {"input": "hi"}, "x": 1.5}\n'
         pytest.param(
             '{"responses_create_params": {"input": "a", "input": "b"}}',
             "duplicate key 'input' in one JSON object (a JSON reader keeps only one of the values); remove "
-            "or rename one of them",
+            "or rename one of them, or set strict_json: false (+strict_json=false) to accept it as Python's "
+            "json does",
             id="duplicate-nested-key",
         ),
         pytest.param(
             '{"responses_create_params": {"input": "a"}, "score": NaN}',
-            "non-finite number NaN (not JSON: servers refuse it); write null or a finite number",
+            "non-finite number NaN (not JSON: servers refuse it); write null or a finite number, or set "
+            "strict_json: false (+strict_json=false) to accept it as Python's json does",
             id="nan",
         ),
         pytest.param(
             '{"responses_create_params": {"input": "a"}, "w": [1, -Infinity]}',
-            "non-finite number -Infinity (not JSON: servers refuse it); write null or a finite number",
+            "non-finite number -Infinity (not JSON: servers refuse it); write null or a finite number, or "
+            "set strict_json: false (+strict_json=false) to accept it as Python's json does",
             id="minus-infinity",
         ),
         pytest.param(
             '{"responses_create_params": {"input": "a"}, "w": 1e400}',
-            "number 1e400 overflows to infinity (not a finite JSON number); write a smaller number",
+            "number 1e400 overflows to infinity (not a finite JSON number); write a smaller number, or set "
+            "strict_json: false (+strict_json=false) to accept it as Python's json does",
             id="overflow",
         ),
     ],

@@ -14,7 +14,7 @@ from gym_ray.config.run_config import resolve_run_config
 from gym_ray.plan.shards import prepare_run
 from gym_ray.record.status import run_status
 from gym_ray.run import collect
-from gym_ray.servers import Deployment, calc_config, serve_config
+from gym_ray.servers import Deployment, calc_config, calc_rows, serve_config
 
 ROWS = 6
 
@@ -33,14 +33,7 @@ async def test_status_of_a_running_shard_reads_its_fresh_progress_file(
     deployment: Deployment, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(collect, "PROGRESS_FILE_INTERVAL_S", 0.0)  # rewrite after every record
-    rows = [
-        {
-            "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
-            "expected_answer": str(i + 1),
-            "agent_ref": {"name": "calc_agent"},
-        }
-        for i in range(ROWS)
-    ]
+    rows = calc_rows(ROWS)
     run = await resolve_run_config(
         deployment.config, settings={"output_dir": str(tmp_path / "run"), "max_resident_tasks": 1}
     )

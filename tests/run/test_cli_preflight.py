@@ -183,6 +183,26 @@ def test_workers_0_is_refused_not_taken_as_the_default(tmp_path: Path, ray_tmp: 
     )
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [pytest.param("--workers", "3", id="workers"), pytest.param("--address", "h:6379", id="address")],
+)
+def test_a_ray_option_with_local_is_refused_not_ignored(
+    tmp_path: Path, ray_tmp: Path, flag: str, value: str
+) -> None:
+    config = _live_free_config(tmp_path)
+    rows = write_rows(tmp_path / "rows.jsonl", 3)
+    args = ["run", str(config), f"+input_jsonl_fpath={rows}", f"+output_dir={tmp_path / 'out'}"]
+    result = gym_ray([*args, "--local", flag, value], cwd=tmp_path, ray_tmp=ray_tmp)
+    _refused(
+        result,
+        2,
+        f"gym-ray run: error: {flag} has no effect with --local (one process, no Ray); drop one of them",
+        ray_tmp,
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_no_space_for_the_materialized_inputs_is_refused(tmp_path: Path, ray_tmp: Path) -> None:
     """ENOSPC on a 1 MiB tmpfs: 2,000 rows (~230 KiB) x 8 repeats cannot fit; refused before planning."""
     mount = tmp_path / "small"

@@ -114,6 +114,54 @@ def test_a_dead_server_stops_the_run_with_exit_4_naming_it_and_records_no_failur
     assert sorted(p.name for p in out.glob("rollouts-*_failures.jsonl") if p.stat().st_size) == []
 
 
+def test_warnings_of_a_local_run_are_one_prefixed_line_each(tmp_path: Path) -> None:
+    # Without a handler Python prints gym_ray's warnings bare; the CLI prefixes each and keeps it to one
+    # line (the error it wraps is named, never a traceback).
+    config = dead_config(tmp_path / "dead.yaml")
+    rows = write_rows(tmp_path / "rows.jsonl", 3)
+    args = [
+        "run",
+        str(config),
+        f"+input_jsonl_fpath={rows}",
+        f"+output_dir={tmp_path / 'out'}",
+        "++server_outage_timeout_s=2",
+        "--local",
+        "--no-health-check",
+        "--progress",
+        "off",
+    ]
+    result = gym_ray(args, cwd=tmp_path)
+    assert result.returncode == 4, result.stderr
+    warning, error = result.stderr.splitlines()
+    assert re.fullmatch(
+        r"gym-ray run: warning: environment server 'arith_env' \(http://127\.0\.0\.1:\d+\) looks down after "
+        r"3 failed attempts in a row \(could not connect .*\); its rows wait while a probe checks "
+        r"http://127\.0\.0\.1:\d+/ \(the run stops after 2 s of outage\)",
+        warning,
+    ), warning
+    assert error.startswith("gym-ray run: ServerOutageError: environment server 'arith_env'"), error
+    assert "Traceback" not in result.stderr
+
+
+def test_a_local_run_prints_progress_lines_at_the_asked_interval(
+    tmp_path: Path, slow_servers: ThreadedDeployment
+) -> None:
+    # `--progress 60` in a local run (stderr not a TTY): a plain line at the first outcome, then none for
+    # 60 s, then the last one at 100% (this run lasts ~1.2 s). Local runs used to show nothing for any
+    # interval above 1 s, `auto` off a TTY (30 s) included.
+    out = tmp_path / "out"
+    args = _slow_run_args(tmp_path, slow_servers, out, rows=8)
+    args[args.index("--workers") : args.index("--workers") + 2] = ["--local"]
+    args[args.index("--progress") + 1] = "60"
+    result = gym_ray(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    progress = r"{}/8 \({}%\) (--|\d+\.\d)/s failed 0 ETA \S+ \| arith_env \d\.\d\d"
+    assert len(lines) == 2, lines
+    assert re.fullmatch(progress.format(1, "12\\.5"), lines[0]), lines
+    assert re.fullmatch(progress.format(8, "100\\.0"), lines[1]), lines
+
+
 def test_sigterm_stops_like_ctrl_c_exit_143_and_the_rerun_completes(
     tmp_path: Path, slow_servers: ThreadedDeployment
 ) -> None:

@@ -14,15 +14,18 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
+import yaml
 
 from gym_ray import keys
 from gym_ray.dispatch.outcomes import RolloutFailureRecord
-from gym_ray.errors import InputError, UsageError, ValidationError
+from gym_ray.errors import ConfigError, InputError, ServerConnectionError, UsageError, ValidationError
 from gym_ray.record.recorded import recorded_keys
+from gym_ray.record.run_lock import RunLock
 from gym_ray.servers import serve_config, start_in_thread
 from gym_ray.streaming.api import stream
 from gym_ray.streaming.row_feed import RowFeed
 from gym_ray.streaming.sync import stream_sync
+from tests.run._cli import dead_config
 
 pytestmark = pytest.mark.ray
 
@@ -289,6 +292,67 @@ async def test_bad_rows_raise_to_the_consumer(ray_session: Any, row: Any, error:
 def test_bad_options_are_usage_errors(options: dict[str, Any], match: str) -> None:
     with pytest.raises(UsageError, match=match):
         stream([], config={}, **options)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        pytest.param(
+            {"num_repeats": 4, "output_dir": "runs/r1"},
+            "stream: the config sets run setting(s) num_repeats, output_dir, which a stream does not read "
+            "(num_repeats: pass group_size=... to gym_ray.stream; output_dir: pass record_dir=... to "
+            "gym_ray.stream); remove them from the config given to gym_ray.stream",
+            id="settings",
+        ),
+        pytest.param(
+            {"seed": 7},
+            "stream: the config sets run setting(s) seed, which a stream does not read (seed: a stream does "
+            "not use it); remove them from the config given to gym_ray.stream",
+            id="unused",
+        ),
+        pytest.param(
+            {"tracing": {"enabled": True}},
+            "stream: the config has a tracing: block, but streams do not trace or export metrics yet; "
+            "remove it from the config given to gym_ray.stream",
+            id="tracing",
+        ),
+    ],
+)
+async def test_run_settings_in_a_stream_config_are_refused_before_ray_and_free_the_folder(
+    tmp_path: Any, extra: dict[str, Any], message: str
+) -> None:
+    # A stream has options of its own for these: silently ignoring `num_repeats: 4` would run each row
+    # once. The refusal comes before Ray or any server is touched, and leaves record_dir free.
+    with start_in_thread(_config()) as servers:
+        config = {**servers.config, **extra}
+        with pytest.raises(ConfigError) as raised:
+            async with stream([_row(1)], config=config, record_dir=tmp_path):
+                pass
+        assert str(raised.value) == message
+        assert servers.stats("fast_env").completed == 0
+    RunLock(tmp_path, what="stream").acquire().release()  # RunLockError if the refused stream held it
+
+
+async def test_a_server_that_is_not_running_is_refused_at_start_in_one_line(
+    ray_session: Any, tmp_path: Any
+) -> None:
+    # The config's server is on a port nothing listens on (a typo, a server not started yet): without the
+    # check the stream would start its workers and wait out the 300 s outage timeout.
+    dead = yaml.safe_load(dead_config(tmp_path / "dead.yaml").read_text())
+    port = dead["arith_env"]["environment_servers"]["example_env"]["port"]
+    rows = [{**_row(1), "agent_ref": {"name": "arith_agent"}}]
+    with pytest.raises(ServerConnectionError) as raised:
+        async with stream(rows, config=dead, record_dir=tmp_path / "out"):
+            pass
+    assert str(raised.value) == (
+        f"environment server 'arith_env' at http://127.0.0.1:{port} is not reachable (Connection refused); "
+        "start it (gym-ray serve CONFIG) or fix its host/port in the config (or skip this check: "
+        "--no-health-check / health_check=false)"
+    )
+    assert not (tmp_path / "out").exists()  # nothing written
+    # health_check=False: the stream starts; rows for the server wait while it is down.
+    async with stream(rows, config=dead, num_workers=1, max_in_flight=1, health_check=False) as waiting:
+        assert len(await waiting.worker_pids()) == 1
 
 
 async def test_stream_sync_refuses_a_running_loop() -> None:
