@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 from collections.abc import Iterator
@@ -12,8 +13,8 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
-from gym_ray.distributed.driver import ShardDriver, ShardFailure
-from gym_ray.errors import InputError, NoProgressError, ShardIOError, ShardLockError
+from gym_ray.distributed.driver import ShardDriver, ShardFailure, driver_max_concurrency
+from gym_ray.errors import InputError, InternalError, NoProgressError, ShardIOError, ShardLockError
 from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.plan.shards import iter_plan
 from gym_ray.record.shard_files import shard_paths
@@ -165,3 +166,63 @@ def _leftovers(run_dir: Path) -> tuple[list[str], Any]:
     """(staging folders left in ``run_dir``, the run manifest's ``num_shards``)."""
     staging = [p.name for p in run_dir.iterdir() if p.name.startswith(".staging")]
     return staging, json.loads((run_dir / RUN_MANIFEST).read_text(encoding="utf-8"))["num_shards"]
+
+
+def test_the_actor_concurrency_lets_every_worker_lane_wait_at_once() -> None:
+    # two waits per lane (a lane may ask again while its last answer is in flight) plus 16 spare
+    assert [driver_max_concurrency(1, 1), driver_max_concurrency(3, 2), driver_max_concurrency(10, 4)] == [
+        18,
+        28,
+        96,
+    ]
+
+
+def test_a_lookahead_below_one_is_refused() -> None:
+    with pytest.raises(InternalError, match=r"^driver lookahead must be >= 1, got 0$"):
+        ShardDriver(lambda: _specs(1), lookahead=0)
+
+
+async def test_an_untyped_planning_error_is_kept_as_an_internal_error_and_stops_the_hand_out() -> None:
+    def planner() -> Iterator[ShardSpec]:
+        yield from _specs(1)
+        raise ValueError("boom")
+
+    driver = ShardDriver(planner, lookahead=1)
+    assert (await driver.next_shard("w0")) is not None
+    status = await driver.wait_finished()
+    assert isinstance(status.plan_error, InternalError)
+    assert str(status.plan_error) == "planning failed: ValueError: boom"
+    assert (status.finished, status.plan_done, status.planned_shards) == (True, False, 1)
+    assert await driver.next_shard("w1") is None
+    with contextlib.suppress(ValueError):  # joining the planner task may re-raise its error
+        await driver.close()
+
+
+class _Coordinator:
+    """Records what the driver reports about planning (the coordinator actor's ``plan_progress``)."""
+
+    def __init__(self) -> None:
+        self.reported: list[str | None] = []
+        self.plan_progress = self
+
+    async def remote(self, spec: ShardSpec | None) -> None:
+        self.reported.append(None if spec is None else spec.shard)
+
+
+async def test_the_coordinator_hears_of_each_planned_shard_then_the_end_of_the_plan() -> None:
+    coordinator = _Coordinator()
+    driver = ShardDriver(lambda: _specs(3), lookahead=5, coordinator=coordinator)
+    await driver.start()
+    for _ in range(3):
+        spec = await driver.next_shard("w0")
+        assert spec is not None
+        await driver.shard_finished("w0", spec.shard)
+    status = await driver.wait_finished()
+    assert (status.planned_shards, status.planned_rows, status.completed, status.plan_done) == (
+        3,
+        30,
+        3,
+        True,
+    )
+    await driver.close()
+    assert coordinator.reported == ["00000", "00001", "00002", None]

@@ -490,6 +490,18 @@ def test_error_in_a_pool_process_surfaces_like_in_process(tmp_path: Path) -> Non
             + [rec(7, v) for v in (2**203, -(2**203) - 1, 2**203 - 1)],
             id="width-edges",
         ),
+        pytest.param(
+            # one index wider than twice the first layout: the layout is sized by what that index needs
+            [
+                rec(2**200, 0),
+                fail(2**200, 1, 1),
+                rec(5, 0),
+                fail(5, 1, 2),
+                rec(2**200 - 1, 1),
+                fail(-(2**200), 0),
+            ],
+            id="one-huge-index",
+        ),
     ],
 )
 def test_huge_rollout_and_attempt_indices_order_like_integers(tmp_path: Path, records: list[Any]) -> None:
