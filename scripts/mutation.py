@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mutation_triage import TRIAGED
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: module (under gym_ray/) -> the tests that cover it (per-module selection keeps each mutant run short).
@@ -209,17 +211,25 @@ def _results(folder: Path, module: str) -> dict[str, Any]:
         [sys.executable, "-c", _DIFFS, *names], cwd=folder, env=_env(folder), capture_output=True, text=True
     )
     diffs: dict[str, str] = json.loads(shown.stdout) if shown.returncode == 0 else {}
+    prefix = "gym_ray." + module.removesuffix(".py").replace("/", ".") + "."
+    triaged = TRIAGED.get(module, {})
     survivors = []
     for key in names:
         diff = diffs.get(key, "(diff unavailable: run `mutmut show` in the module's work folder)").strip()
-        survivors.append({"mutant": key, "diff": diff, "message_only": _message_only(diff)})
+        reason = triaged.get(key.removeprefix(prefix))
+        survivors.append(
+            {"mutant": key, "diff": diff, "message_only": _message_only(diff), "triaged": reason}
+        )
     killed, survived = counts.get("killed", 0), counts.get("survived", 0)
     wording = sum(1 for s in survivors if s["message_only"])
+    surviving = {key.removeprefix(prefix) for key in names}
     return {
         "counts": counts,
         "killed": killed,
         "checked": killed + survived,
         "message_only_survivors": wording,
+        "triaged_survivors": sum(1 for s in survivors if s["triaged"] and not s["message_only"]),
+        "stale_triage": sorted(set(triaged) - surviving),  # killed now, or renumbered: check them again
         "total": len(codes),
         "survivors": survivors,
     }
@@ -231,17 +241,19 @@ def _report(work: Path, modules: list[str]) -> str:
         "",
         "Score = killed / (killed + survived). The second score leaves out survivors that change only the",
         "wording of a string literal (error-message text: tests pin the parts a user acts on, the file,",
-        "line, key or row, with `match=`, not every word).",
+        "line, key or row, with `match=`, not every word). The third also leaves out the survivors triaged",
+        "by hand in `scripts/mutation_triage.py` (equivalent, or covered by a test the run deselects).",
         "",
-        "| module | killed / checked | score | without wording-only | other outcomes | not checked yet |",
-        "|---|---|---|---|---|---|",
+        "| module | killed / checked | score | without wording-only | without wording and triaged "
+        "| other outcomes | not checked yet |",
+        "|---|---|---|---|---|---|---|",
     ]
     details: list[str] = []
     summary: dict[str, Any] = {}
     for module in modules:
         r = _results(_folder(work, module), module)
         if not r["checked"]:
-            lines.append(f"| {module} | not run | | | |")
+            lines.append(f"| {module} | not run | | | | | |")
             continue
         counts = r["counts"]
         others = ", ".join(
@@ -250,14 +262,33 @@ def _report(work: Path, modules: list[str]) -> str:
         score = f"{100.0 * r['killed'] / r['checked']:.1f}%"
         logic = r["checked"] - r["message_only_survivors"]
         logic_score = f"{100.0 * r['killed'] / logic:.1f}%" if logic else "-"
+        real = logic - r["triaged_survivors"]
+        real_score = f"{100.0 * r['killed'] / real:.1f}%" if real else "-"
         pending = counts.get("not checked", 0)
-        cells = [module, f"{r['killed']} / {r['checked']}", score, logic_score, others or "-", pending]
+        cells = [
+            module,
+            f"{r['killed']} / {r['checked']}",
+            score,
+            logic_score,
+            real_score,
+            others or "-",
+            pending,
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         summary[module] = {k: v for k, v in r.items() if k != "survivors"}
-        details += [
-            f"### {s['mutant']}{' (wording only)' if s['message_only'] else ''}\n```diff\n{s['diff']}\n```\n"
-            for s in r["survivors"]
-        ]
+        if r["stale_triage"]:
+            details.append(
+                f"Triaged in mutation_triage.py but not surviving now ({module}): {r['stale_triage']}\n"
+            )
+        for s in r["survivors"]:
+            tag = (
+                " (wording only)"
+                if s["message_only"]
+                else f" (triaged: {s['triaged']})"
+                if s["triaged"]
+                else ""
+            )
+            details.append(f"### {s['mutant']}{tag}\n```diff\n{s['diff']}\n```\n")
     text = "\n".join(lines) + "\n\n## Survivors\n\n" + "\n".join(details)
     (work / "report.md").write_text(text, encoding="utf-8")
     (work / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
