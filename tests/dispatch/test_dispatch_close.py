@@ -268,3 +268,125 @@ async def test_200k_generator_rows_keep_live_tasks_bounded_without_http() -> Non
     assert seen == 200_000
     assert it.admitted == 200_000
     assert peak <= 256
+
+
+async def test_an_awaitable_run_as_a_task_can_be_cancelled_and_gives_its_claim_back() -> None:
+    gate = asyncio.Event()
+
+    async def run(i: int) -> int:
+        await gate.wait()
+        return i
+
+    it: CompletionIterator[int, int] = CompletionIterator([7], run, max_resident_tasks=1)
+    consumer = asyncio.create_task(next(it))  # a real Coroutine: the task steps it with send() / throw()
+    await wait_for(lambda: it.in_flight == 1)
+    consumer.cancel()  # the task throws CancelledError into the awaitable
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    gate.set()
+    assert [await item for item in it] == []  # every row had an awaitable; the row still runs to its end
+    await wait_for(lambda: it.in_flight == 0)
+    await it.aclose()
+
+
+def test_throwing_into_an_unstarted_awaitable_raises_there() -> None:
+    it: CompletionIterator[int, int] = CompletionIterator([1], started([]), max_resident_tasks=1)
+    item = next(it)
+    with pytest.raises(RuntimeError, match="stop"):
+        item.throw(RuntimeError("stop"))
+    item.close()
+
+
+async def test_abandoned_outcomes_and_cancelled_rows_log_nothing_after_aclose() -> None:
+    loop = asyncio.get_running_loop()
+    reports: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: reports.append(ctx))
+    hang = asyncio.Event()
+
+    async def run(i: int) -> int:
+        if i == 0:
+            raise ValueError("row 0 failed")
+        await hang.wait()
+        return i
+
+    try:
+        for bound in (None, 2):
+            it: CompletionIterator[int, int] = CompletionIterator([0, 1], run, max_resident_tasks=bound)
+            first = asyncio.create_task(next(it))  # claims row 0's failure
+            with pytest.raises(ValueError, match="row 0 failed"):
+                await first
+            second = next(it)
+            await it.aclose()  # row 1 is cancelled: its done callback retrieves nothing from it
+            with pytest.raises(asyncio.CancelledError):
+                await second
+        unclaimed: CompletionIterator[int, int] = CompletionIterator([0, 1], run)
+        items = list(unclaimed)  # unbounded: both rows start; row 0 fails and nobody claims it
+        await wait_for(lambda: unclaimed.in_flight == 1)
+        await unclaimed.aclose()
+        for item in items:
+            item.close()
+        del items, first, second
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert reports == []
+
+
+async def test_an_admission_error_reaches_every_waiting_consumer() -> None:
+    gate = asyncio.Event()
+
+    async def run(i: int) -> int:
+        await gate.wait()
+        return i
+
+    def validate(batch: list[int]) -> list[int]:
+        if 2 in batch:
+            raise ValueError("row 2 is bad")
+        return batch
+
+    it: CompletionIterator[int, int] = CompletionIterator(
+        range(4), run, max_resident_tasks=2, validate_batch=validate, batch_size=2
+    )
+    consumers = [asyncio.create_task(item) for item in it]
+    await wait_for(lambda: it.in_flight == 2)
+    gate.set()
+    outcomes = await asyncio.wait_for(asyncio.gather(*consumers, return_exceptions=True), timeout=30)
+    assert [str(o) for o in outcomes] == ["row 2 is bad"] * 4
+    assert it.admitted == 2
+    await it.aclose()
+
+
+async def test_drain_takes_rows_finished_before_their_done_callbacks_ran() -> None:
+    async def run(i: int) -> int:
+        return i * 10  # finishes in its first step
+
+    it: CompletionIterator[int, int] = CompletionIterator(range(3), run)
+    items = list(it)  # unbounded: the three tasks are created now
+    await asyncio.sleep(0)  # their first steps run (and finish) before this resumes; callbacks come after
+    assert it.in_flight == 3  # finished, but not yet seen as finished
+    futures = await it.aclose_and_drain()
+    assert sorted(f.result() for f in futures) == [0, 10, 20]
+    for item in items:
+        item.close()
+
+
+async def test_drain_joins_the_prepare_step() -> None:
+    ended: list[str] = []
+    entered = asyncio.Event()
+
+    async def prepare() -> None:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append("prepare")
+
+    it: CompletionIterator[int, int] = CompletionIterator([1], started([]), prepare=prepare)
+    consumer = asyncio.create_task(next(it))
+    await entered.wait()
+    assert await it.aclose_and_drain() == []
+    assert ended == ["prepare"]  # cancelled and finished before the drain returned
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
