@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,15 +127,76 @@ async def test_a_planning_error_is_kept_and_stops_the_hand_out() -> None:
         pytest.param("w9", ShardIOError.__name__, False, id="io-error-of-superseded-worker-ignored"),
     ],
 )
-async def test_shard_failures(worker: str, error_type: str, aborts: bool) -> None:
+async def test_shard_failures(
+    worker: str, error_type: str, aborts: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     driver = ShardDriver(lambda: _specs(3), lookahead=3)
     spec = await driver.next_shard("w0")
     assert spec is not None
     failure = ShardFailure(shard=spec.shard, worker=worker, error_type=error_type, message="boom")
-    assert await driver.shard_failed(failure) is aborts
+    with caplog.at_level(logging.INFO, logger="gym_ray.distributed.driver"):
+        assert await driver.shard_failed(failure) is aborts
     status = await driver.status()
-    assert (len(status.failures), status.finished) == (int(aborts), aborts)
+    assert (status.failures, status.finished) == (((failure,), True) if aborts else ((), False))
+    assert status.in_flight == ({} if aborts else {"w0": ("00000",)})
+    if aborts:
+        expected = ("ERROR", "driver: shard 00000 failed in w0: boom")
+    else:
+        # a superseded worker's lock error is the expected end of a zombie: info, anything else a warning
+        level = "INFO" if error_type == ShardLockError.__name__ else "WARNING"
+        expected = (
+            level,
+            f"driver: ignoring {error_type} of shard 00000 from w9, which no longer holds it (holder now: "
+            "w0): boom",
+        )
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == driver_logger] == [expected]
     assert (await driver.next_shard("w1") is None) is aborts
+    await driver.close()
+
+
+driver_logger = "gym_ray.distributed.driver"
+
+
+async def test_a_failure_of_a_shard_nobody_holds_names_no_holder(caplog: pytest.LogCaptureFixture) -> None:
+    driver = ShardDriver(lambda: _specs(1), lookahead=1)
+    spec = await driver.next_shard("w0")
+    assert spec is not None
+    assert await driver.shard_finished("w0", spec.shard) is True
+    failure = ShardFailure(shard=spec.shard, worker="w0", error_type="ShardIOError", message="late")
+    with caplog.at_level(logging.INFO, logger=driver_logger):
+        assert await driver.shard_failed(failure) is False
+        assert await driver.shard_finished("w1", spec.shard) is False
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == driver_logger] == [
+        (
+            "WARNING",
+            "driver: ignoring ShardIOError of shard 00000 from w0, which no longer holds it (holder now: "
+            "none, re-queued or complete): late",
+        ),
+        ("WARNING", "driver: ignoring completion of shard 00000 by w1 (not its owner)"),
+    ]
+    await driver.close()
+
+
+async def test_status_counts_the_queue_the_holders_and_every_requeue(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    driver = ShardDriver(lambda: _specs(5), lookahead=5)
+    held = [await driver.next_shard(w) for w in ("w0", "w0", "w1", "w1", "w1")]
+    assert [spec.shard for spec in held if spec is not None] == ["00000", "00001", "00002", "00003", "00004"]
+    assert await driver.shard_finished("w0", "00000") is True
+    with caplog.at_level(logging.INFO, logger=driver_logger):
+        assert await driver.worker_lost("w0") == ["00001"]
+        assert await driver.worker_lost("w1") == ["00002", "00003", "00004"]
+        assert await driver.worker_lost("never-seen") == []
+    status = await driver.status()
+    assert (status.queued, status.requeued_total, status.completed, status.in_flight) == (4, 4, 1, {})
+    assert status.lost_workers == ("never-seen", "w0", "w1")
+    assert [r.getMessage() for r in caplog.records if r.name == driver_logger] == [
+        "driver: worker w0 lost; re-queued shards 00001",
+        "driver: worker w1 lost; re-queued shards 00002, 00003, 00004",
+    ]
+    assert [(await driver.next_shard("w2")) is not None for _ in range(4)] == [True] * 4
+    assert (await driver.status()).in_flight == {"w2": ("00001", "00002", "00003", "00004")}
     await driver.close()
 
 
