@@ -421,3 +421,24 @@ async def test_closing_joins_the_prepare_step(close: str) -> None:
     assert ended == ["prepare"]  # cancelled and finished before the close returned
     with pytest.raises(asyncio.CancelledError):
         await consumer
+
+
+async def test_unbounded_aclose_hands_out_what_rows_end_with_after_the_cancel() -> None:
+    running: list[int] = []
+
+    async def run(i: int) -> int:
+        running.append(i)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if i == 1:
+                return 11  # this row turns the cancel into an outcome
+            raise
+        return i
+
+    it: CompletionIterator[int, int] = CompletionIterator([0, 1], run)
+    items = list(it)
+    await wait_for(lambda: len(running) == 2)  # both rows are inside run()
+    await it.aclose()
+    outcomes = await asyncio.gather(*items, return_exceptions=True)
+    assert sorted(repr(o) for o in outcomes) == ["11", "CancelledError('')"]
