@@ -154,4 +154,42 @@ TRIAGED: dict[str, dict[str, str]] = {
             "x_merge_shards__mutmut_132",
         ),
     },
+    "dispatch/_completion.py": {
+        **_same(
+            "re-awaiting the finished prepare task returns at once: _prepared only saves that await",
+            "xǁCompletionIteratorǁ_ensure_prepared__mutmut_7",
+            "xǁCompletionIteratorǁ_ensure_prepared__mutmut_8",
+        ),
+        **_same(
+            "the closed mode is only compared with 'aclose', so any other text reads as 'drain'",
+            "xǁCompletionIteratorǁaclose_and_drain__mutmut_7",
+            "xǁCompletionIteratorǁaclose_and_drain__mutmut_8",
+        ),
+        **_same(
+            "a repeated close joins what the first close already joined; with no loop recorded no task "
+            "exists, so the loop is never used",
+            "xǁCompletionIteratorǁaclose_and_drain__mutmut_2",
+            "xǁCompletionIteratorǁaclose_and_drain__mutmut_5",
+        ),
+        **_same(
+            "asyncio sends None into a coroutine, and a Future ignores the value sent to it",
+            "xǁ_Completionǁsend__mutmut_1",
+        ),
+        **_same(
+            "bounded iterators empty the ready queue when they close and never refill it",
+            "xǁCompletionIteratorǁ_next_outcome__mutmut_4",
+        ),
+        **_same(
+            "a waiter that is not done when its consumer is cancelled is cancelled, so both forms raise "
+            "CancelledError",
+            "xǁCompletionIteratorǁ_next_outcome__mutmut_18",
+        ),
+        **_same(
+            "the never-happens InternalError's text",
+            "xǁCompletionIteratorǁ_next_outcome__mutmut_12",
+        ),
+    },
+    "distributed/driver.py": {
+        **_same("specs is assigned before it is read", "xǁShardDriverǁ_plan_loop__mutmut_2"),
+    },
 }

@@ -271,9 +271,12 @@ class _Coordinator:
         self.reported.append(None if spec is None else spec.shard)
 
 
-async def test_the_coordinator_hears_of_each_planned_shard_then_the_end_of_the_plan() -> None:
+async def test_the_coordinator_hears_of_each_planned_shard_then_the_end_of_the_plan(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     coordinator = _Coordinator()
     driver = ShardDriver(lambda: _specs(3), lookahead=5, coordinator=coordinator)
+    caplog.set_level(logging.INFO, logger="gym_ray.distributed.driver")
     await driver.start()
     for _ in range(3):
         spec = await driver.next_shard("w0")
@@ -288,3 +291,6 @@ async def test_the_coordinator_hears_of_each_planned_shard_then_the_end_of_the_p
     )
     await driver.close()
     assert coordinator.reported == ["00000", "00001", "00002", None]
+    assert [r.getMessage() for r in caplog.records if r.name == "gym_ray.distributed.driver"] == [
+        "driver: plan complete, 3 shards, 30 rows"
+    ]
