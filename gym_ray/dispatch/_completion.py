@@ -286,9 +286,7 @@ class CompletionIterator(Generic[R, T]):
         if self._ready:
             task = self._ready.popleft()
         else:
-            if not self._running:
-                if self._admit_error is not None:
-                    raise self._admit_error
+            if not self._running:  # (an admission error was raised by _admit() above)
                 raise InternalError("rollout completion iterator exhausted unexpectedly")
             waiter: asyncio.Future[asyncio.Task[T]] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)

@@ -168,8 +168,8 @@ def merge_shards(
         InputError: The folder has no shards, or a record has no integer ``_ng_task_index`` /
             ``_ng_rollout_index`` (names file and line).
         ConfigError: ``output_prefix``, ``fan_in``, ``workers`` or ``pool_min_bytes`` is invalid.
-        RecordError: Reading or writing failed, or a sorting process died (the merged files are left
-            as they were).
+        RecordError: Reading or writing failed (each merged file is then its old or its new version), or
+            a sorting process died (the merged files are left as they were).
 
     Example:
         >>> result = merge_shards("runs/2024-06-01")  # doctest: +SKIP
@@ -230,7 +230,8 @@ def merge_shards(
                 break
     except OSError as exc:
         raise RecordError(
-            f"merging the shards of {base} failed ({exc}); the merged files are unchanged"
+            f"merging the shards of {base} failed ({exc}); each merged file is its old or its new version "
+            "(they are replaced one after the other, failures first). Fix the cause and merge again"
         ) from exc
     except concurrent.futures.BrokenExecutor as exc:
         raise RecordError(

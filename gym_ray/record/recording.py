@@ -226,12 +226,10 @@ class ShardRecorder:
         if not self.paths.materialized_inputs.exists():
             yield from copies
             return
-        try:
-            self._check_same_rows(copies)
-            plan = plan_resume(self.paths.run_dir, self.shard, max_rollout_attempts=self.max_rollout_attempts)
-        except Exception:
-            self._stale = True  # no row runs; closing only closes the writer
-            raise
+        # An error here leaves the shard unstarted (no start(), no resume plan), so closing the recorder
+        # writes no progress and just closes the writer.
+        self._check_same_rows(copies)
+        plan = plan_resume(self.paths.run_dir, self.shard, max_rollout_attempts=self.max_rollout_attempts)
         self._resume = plan
         pending = plan.pending
         self._total = len(pending)
@@ -252,7 +250,6 @@ class ShardRecorder:
         if self._started:
             raise UsageError(f"shard {self.shard!r}: rows are recorded once per call; start() ran already")
         self._started = True
-        self._writer.config_identity = config_identity
         try:
             prior = None
             if self._resume is None:

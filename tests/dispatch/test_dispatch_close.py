@@ -268,3 +268,177 @@ async def test_200k_generator_rows_keep_live_tasks_bounded_without_http() -> Non
     assert seen == 200_000
     assert it.admitted == 200_000
     assert peak <= 256
+
+
+async def test_an_awaitable_run_as_a_task_can_be_cancelled_and_gives_its_claim_back() -> None:
+    gate = asyncio.Event()
+
+    async def run(i: int) -> int:
+        await gate.wait()
+        return i
+
+    it: CompletionIterator[int, int] = CompletionIterator([7], run, max_resident_tasks=1)
+    consumer = asyncio.create_task(next(it))  # a real Coroutine: the task steps it with send() / throw()
+    await wait_for(lambda: it.in_flight == 1)
+    consumer.cancel()  # the task throws CancelledError into the awaitable
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    gate.set()
+    assert [await item for item in it] == []  # every row had an awaitable; the row still runs to its end
+    await wait_for(lambda: it.in_flight == 0)
+    await it.aclose()
+
+
+def test_throwing_into_an_unstarted_awaitable_raises_there() -> None:
+    it: CompletionIterator[int, int] = CompletionIterator([1], started([]), max_resident_tasks=1)
+    item = next(it)
+    with pytest.raises(RuntimeError, match="stop"):
+        item.throw(RuntimeError("stop"))
+    item.close()
+
+
+async def test_abandoned_outcomes_and_cancelled_rows_log_nothing_after_aclose() -> None:
+    loop = asyncio.get_running_loop()
+    reports: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: reports.append(ctx))
+    hang = asyncio.Event()
+
+    async def run(i: int) -> int:
+        if i == 0:
+            raise ValueError("row 0 failed")
+        await hang.wait()
+        return i
+
+    try:
+        for bound in (None, 2):
+            it: CompletionIterator[int, int] = CompletionIterator([0, 1], run, max_resident_tasks=bound)
+            first = asyncio.create_task(next(it))  # claims row 0's failure
+            with pytest.raises(ValueError, match="row 0 failed"):
+                await first
+            second = next(it)
+            await it.aclose()  # row 1 is cancelled: its done callback retrieves nothing from it
+            with pytest.raises(asyncio.CancelledError):
+                await second
+        unclaimed: CompletionIterator[int, int] = CompletionIterator([0, 1], run)
+        items = list(unclaimed)  # unbounded: both rows start; row 0 fails and nobody claims it
+        await wait_for(lambda: unclaimed.in_flight == 1)
+        await unclaimed.aclose()
+        for item in items:
+            item.close()
+        del items, first, second
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert reports == []
+
+
+async def test_an_admission_error_reaches_every_waiting_consumer() -> None:
+    gate = asyncio.Event()
+
+    async def run(i: int) -> int:
+        await gate.wait()
+        return i
+
+    def validate(batch: list[int]) -> list[int]:
+        if 2 in batch:
+            raise ValueError("row 2 is bad")
+        return batch
+
+    it: CompletionIterator[int, int] = CompletionIterator(
+        range(4), run, max_resident_tasks=2, validate_batch=validate, batch_size=2
+    )
+    consumers = [asyncio.create_task(item) for item in it]
+    await wait_for(lambda: it.in_flight == 2)
+    gate.set()
+    outcomes = await asyncio.wait_for(asyncio.gather(*consumers, return_exceptions=True), timeout=30)
+    assert [str(o) for o in outcomes] == ["row 2 is bad"] * 4
+    assert it.admitted == 2
+    await it.aclose()
+
+
+async def test_drain_takes_rows_finished_before_their_done_callbacks_ran() -> None:
+    async def run(i: int) -> int:
+        return i * 10  # finishes in its first step
+
+    it: CompletionIterator[int, int] = CompletionIterator(range(3), run)
+    items = list(it)  # unbounded: the three tasks are created now
+    await asyncio.sleep(0)  # their first steps run (and finish) before this resumes; callbacks come after
+    assert it.in_flight == 3  # finished, but not yet seen as finished
+    futures = await it.aclose_and_drain()
+    assert sorted(f.result() for f in futures) == [0, 10, 20]
+    for item in items:
+        item.close()
+
+
+async def test_aclose_keeps_rows_finished_before_their_done_callbacks_claimable() -> None:
+    async def run(i: int) -> int:
+        return i * 10
+
+    it: CompletionIterator[int, int] = CompletionIterator(range(3), run)
+    items = list(it)
+    await asyncio.sleep(0)  # the rows finish; their done callbacks have not run yet
+    await it.aclose()
+    assert sorted([await item for item in items]) == [0, 10, 20]  # unbounded: finished outcomes stay
+
+
+async def test_an_outcome_claimed_by_a_consumer_cancelled_before_it_resumed_is_not_lost() -> None:
+    consumer: asyncio.Task[int] | None = None
+
+    async def run(i: int) -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        # runs right after the iterator handed this outcome to the waiting consumer, before it resumes
+        task.add_done_callback(lambda _: consumer.cancel() if consumer is not None else None)
+        await asyncio.sleep(0)
+        return i * 10
+
+    it: CompletionIterator[int, int] = CompletionIterator([4], run, max_resident_tasks=1)
+    consumer = asyncio.create_task(next(it))
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    futures = await it.aclose_and_drain()
+    assert [f.result() for f in futures] == [40]  # given back: the drain hands it over
+
+
+@pytest.mark.parametrize("close", ["aclose", "aclose_and_drain"])
+async def test_closing_joins_the_prepare_step(close: str) -> None:
+    ended: list[str] = []
+    entered = asyncio.Event()
+
+    async def prepare() -> None:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append("prepare")
+
+    it: CompletionIterator[int, int] = CompletionIterator([1], started([]), prepare=prepare)
+    consumer = asyncio.create_task(next(it))
+    await entered.wait()
+    assert await getattr(it, close)() in (None, [])
+    assert ended == ["prepare"]  # cancelled and finished before the close returned
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+
+
+async def test_unbounded_aclose_hands_out_what_rows_end_with_after_the_cancel() -> None:
+    running: list[int] = []
+
+    async def run(i: int) -> int:
+        running.append(i)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if i == 1:
+                return 11  # this row turns the cancel into an outcome
+            raise
+        return i
+
+    it: CompletionIterator[int, int] = CompletionIterator([0, 1], run)
+    items = list(it)
+    await wait_for(lambda: len(running) == 2)  # both rows are inside run()
+    await it.aclose()
+    outcomes = await asyncio.gather(*items, return_exceptions=True)
+    assert sorted(repr(o) for o in outcomes) == ["11", "CancelledError('')"]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +14,8 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
-from gym_ray.distributed.driver import ShardDriver, ShardFailure
-from gym_ray.errors import InputError, NoProgressError, ShardIOError, ShardLockError
+from gym_ray.distributed.driver import ShardDriver, ShardFailure, driver_max_concurrency
+from gym_ray.errors import InputError, InternalError, NoProgressError, ShardIOError, ShardLockError
 from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.plan.shards import iter_plan
 from gym_ray.record.shard_files import shard_paths
@@ -157,15 +159,76 @@ async def test_a_planning_error_is_kept_and_stops_the_hand_out() -> None:
         pytest.param("w9", ShardIOError.__name__, False, id="io-error-of-superseded-worker-ignored"),
     ],
 )
-async def test_shard_failures(worker: str, error_type: str, aborts: bool) -> None:
+async def test_shard_failures(
+    worker: str, error_type: str, aborts: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     driver = ShardDriver(lambda: _specs(3), lookahead=3)
     spec = await driver.next_shard("w0")
     assert spec is not None
     failure = ShardFailure(shard=spec.shard, worker=worker, error_type=error_type, message="boom")
-    assert await driver.shard_failed(failure) is aborts
+    with caplog.at_level(logging.INFO, logger="gym_ray.distributed.driver"):
+        assert await driver.shard_failed(failure) is aborts
     status = await driver.status()
-    assert (len(status.failures), status.finished) == (int(aborts), aborts)
+    assert (status.failures, status.finished) == (((failure,), True) if aborts else ((), False))
+    assert status.in_flight == ({} if aborts else {"w0": ("00000",)})
+    if aborts:
+        expected = ("ERROR", "driver: shard 00000 failed in w0: boom")
+    else:
+        # a superseded worker's lock error is the expected end of a zombie: info, anything else a warning
+        level = "INFO" if error_type == ShardLockError.__name__ else "WARNING"
+        expected = (
+            level,
+            f"driver: ignoring {error_type} of shard 00000 from w9, which no longer holds it (holder now: "
+            "w0): boom",
+        )
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == driver_logger] == [expected]
     assert (await driver.next_shard("w1") is None) is aborts
+    await driver.close()
+
+
+driver_logger = "gym_ray.distributed.driver"
+
+
+async def test_a_failure_of_a_shard_nobody_holds_names_no_holder(caplog: pytest.LogCaptureFixture) -> None:
+    driver = ShardDriver(lambda: _specs(1), lookahead=1)
+    spec = await driver.next_shard("w0")
+    assert spec is not None
+    assert await driver.shard_finished("w0", spec.shard) is True
+    failure = ShardFailure(shard=spec.shard, worker="w0", error_type="ShardIOError", message="late")
+    with caplog.at_level(logging.INFO, logger=driver_logger):
+        assert await driver.shard_failed(failure) is False
+        assert await driver.shard_finished("w1", spec.shard) is False
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == driver_logger] == [
+        (
+            "WARNING",
+            "driver: ignoring ShardIOError of shard 00000 from w0, which no longer holds it (holder now: "
+            "none, re-queued or complete): late",
+        ),
+        ("WARNING", "driver: ignoring completion of shard 00000 by w1 (not its owner)"),
+    ]
+    await driver.close()
+
+
+async def test_status_counts_the_queue_the_holders_and_every_requeue(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    driver = ShardDriver(lambda: _specs(5), lookahead=5)
+    held = [await driver.next_shard(w) for w in ("w0", "w0", "w1", "w1", "w1")]
+    assert [spec.shard for spec in held if spec is not None] == ["00000", "00001", "00002", "00003", "00004"]
+    assert await driver.shard_finished("w0", "00000") is True
+    with caplog.at_level(logging.INFO, logger=driver_logger):
+        assert await driver.worker_lost("w0") == ["00001"]
+        assert await driver.worker_lost("w1") == ["00002", "00003", "00004"]
+        assert await driver.worker_lost("never-seen") == []
+    status = await driver.status()
+    assert (status.queued, status.requeued_total, status.completed, status.in_flight) == (4, 4, 1, {})
+    assert status.lost_workers == ("never-seen", "w0", "w1")
+    assert [r.getMessage() for r in caplog.records if r.name == driver_logger] == [
+        "driver: worker w0 lost; re-queued shards 00001",
+        "driver: worker w1 lost; re-queued shards 00002, 00003, 00004",
+    ]
+    assert [(await driver.next_shard("w2")) is not None for _ in range(4)] == [True] * 4
+    assert (await driver.status()).in_flight == {"w2": ("00001", "00002", "00003", "00004")}
     await driver.close()
 
 
@@ -197,3 +260,69 @@ def _leftovers(run_dir: Path) -> tuple[list[str], Any]:
     """(staging folders left in ``run_dir``, the run manifest's ``num_shards``)."""
     staging = [p.name for p in run_dir.iterdir() if p.name.startswith(".staging")]
     return staging, json.loads((run_dir / RUN_MANIFEST).read_text(encoding="utf-8"))["num_shards"]
+
+
+def test_the_actor_concurrency_lets_every_worker_lane_wait_at_once() -> None:
+    # two waits per lane (a lane may ask again while its last answer is in flight) plus 16 spare
+    assert [driver_max_concurrency(1, 1), driver_max_concurrency(3, 2), driver_max_concurrency(10, 4)] == [
+        18,
+        28,
+        96,
+    ]
+
+
+def test_a_lookahead_below_one_is_refused() -> None:
+    with pytest.raises(InternalError, match=r"^driver lookahead must be >= 1, got 0$"):
+        ShardDriver(lambda: _specs(1), lookahead=0)
+
+
+async def test_an_untyped_planning_error_is_kept_as_an_internal_error_and_stops_the_hand_out() -> None:
+    def planner() -> Iterator[ShardSpec]:
+        yield from _specs(1)
+        raise ValueError("boom")
+
+    driver = ShardDriver(planner, lookahead=1)
+    assert (await driver.next_shard("w0")) is not None
+    status = await driver.wait_finished()
+    assert isinstance(status.plan_error, InternalError)
+    assert str(status.plan_error) == "planning failed: ValueError: boom"
+    assert (status.finished, status.plan_done, status.planned_shards) == (True, False, 1)
+    assert await driver.next_shard("w1") is None
+    with contextlib.suppress(ValueError):  # joining the planner task may re-raise its error
+        await driver.close()
+
+
+class _Coordinator:
+    """Records what the driver reports about planning (the coordinator actor's ``plan_progress``)."""
+
+    def __init__(self) -> None:
+        self.reported: list[str | None] = []
+        self.plan_progress = self
+
+    async def remote(self, spec: ShardSpec | None) -> None:
+        self.reported.append(None if spec is None else spec.shard)
+
+
+async def test_the_coordinator_hears_of_each_planned_shard_then_the_end_of_the_plan(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    coordinator = _Coordinator()
+    driver = ShardDriver(lambda: _specs(3), lookahead=5, coordinator=coordinator)
+    caplog.set_level(logging.INFO, logger="gym_ray.distributed.driver")
+    await driver.start()
+    for _ in range(3):
+        spec = await driver.next_shard("w0")
+        assert spec is not None
+        await driver.shard_finished("w0", spec.shard)
+    status = await driver.wait_finished()
+    assert (status.planned_shards, status.planned_rows, status.completed, status.plan_done) == (
+        3,
+        30,
+        3,
+        True,
+    )
+    await driver.close()
+    assert coordinator.reported == ["00000", "00001", "00002", None]
+    assert [r.getMessage() for r in caplog.records if r.name == "gym_ray.distributed.driver"] == [
+        "driver: plan complete, 3 shards, 30 rows"
+    ]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import multiprocessing
+import os
 import random
 import re
 from pathlib import Path
@@ -12,7 +14,7 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
-from gym_ray.errors import ConfigError, InputError
+from gym_ray.errors import ConfigError, InputError, RecordError
 from gym_ray.record.jsonl import parse_record
 from gym_ray.record.merge import merge_shards
 from gym_ray.record.shard_files import shard_paths
@@ -163,24 +165,91 @@ def test_merge_replaces_previous_output_and_honours_the_prefix(tmp_path: Path) -
     assert (tmp_path / "final_failures.jsonl").read_bytes() == b""
 
 
-def test_record_without_identity_fails_the_merge_and_keeps_old_output(tmp_path: Path) -> None:
-    write_shard(tmp_path, "a", [rec(0, 0), {"reward": 1.0}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param({"reward": 1.0}, id="no-identity"),
+        pytest.param({keys.TASK_INDEX: 1, keys.ROLLOUT_INDEX: "0"}, id="rollout-not-int"),
+        pytest.param({keys.TASK_INDEX: 1.0, keys.ROLLOUT_INDEX: 0}, id="task-not-int"),
+    ],
+)
+def test_record_without_identity_fails_the_merge_and_keeps_old_output(tmp_path: Path, bad: Any) -> None:
+    write_shard(tmp_path, "a", [rec(0, 0), bad])
     (tmp_path / "rollouts.jsonl").write_text("old\n")
-    with pytest.raises(InputError, match=r"rollouts-a\.jsonl:2: record has no integer _ng_task_index"):
+    with pytest.raises(
+        InputError, match=r"rollouts-a\.jsonl:2: record has no integer _ng_task_index"
+    ) as info:
         merge_shards(tmp_path)
+    assert (info.value.path, info.value.line) == (str(shard_paths(tmp_path, "a").successes), 2)
     assert (tmp_path / "rollouts.jsonl").read_text() == "old\n"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
 def test_merge_of_a_folder_without_shards_is_an_input_error(tmp_path: Path) -> None:
-    with pytest.raises(InputError, match="has no shard files"):
+    with pytest.raises(InputError, match="has no shard files") as info:
         merge_shards(tmp_path)
+    assert info.value.path == str(tmp_path)
+
+
+def test_counts_add_up_over_shards_and_shards_with_nothing_to_keep(tmp_path: Path) -> None:
+    drained = {keys.FAILURE_CLASS: "cancelled", keys.NO_PERSIST: True}
+    write_shard(tmp_path, "a", [rec(0, 0), fail(1, 0), fail(1, 0), rec(2, 0, **drained)])
+    write_shard(tmp_path, "b", [rec(3, 0, **drained), rec(4, 0, **drained)])  # only omitted rows
+    write_shard(tmp_path, "c", [fail(5, 0), fail(5, 0), fail(5, 0), fail(6, 0, _ng_failure_terminal=True)])
+    for shard in ("a", "b", "c"):
+        with shard_paths(tmp_path, shard).successes.open("ab") as handle:
+            handle.write(b"not json\n")
+    (tmp_path / "rollouts-d.jsonl").write_bytes(b"x")  # one torn byte: a shard of one corrupt line
+    result = merge_shards(tmp_path)
+    assert result.model_dump(exclude={"successes_path", "failures_path"}) == {
+        "shards": ("a", "b", "c", "d"),
+        "successes": 1,
+        "failures": 3,
+        "terminal_failures": 1,  # (6, 0), the last identity
+        "duplicate_successes_dropped": 0,
+        "superseded_failures_dropped": 0,
+        "duplicate_failures_dropped": 3,  # one of (1, 0), two of (5, 0)
+        "omitted_rows_skipped": 3,
+        "corrupt_lines": 4,
+    }
+
+
+def test_a_failed_write_says_which_merged_files_may_be_new(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a", [rec(0, 0), fail(1, 0)])
+    (tmp_path / "rollouts_failures.jsonl").write_text("old\n")
+    (tmp_path / "rollouts.jsonl").mkdir()  # a folder where the successes go: replacing it fails
+    with pytest.raises(RecordError) as info:
+        merge_shards(tmp_path)
+    assert str(info.value).startswith(f"merging the shards of {tmp_path} failed ([Errno 21] Is a directory")
+    assert str(info.value).endswith(
+        "; each merged file is its old or its new version (they are replaced one after the other, failures "
+        "first). Fix the cause and merge again"
+    )
+    # the failures were replaced before the successes failed: the message says so, not "unchanged"
+    assert read(tmp_path / "rollouts_failures.jsonl") == [fail(1, 0)]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_shard_file_that_is_not_a_regular_file_has_no_lines(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a", [rec(0, 0)])
+    shard_paths(tmp_path, "a").failures.unlink()
+    shard_paths(tmp_path, "a").failures.symlink_to("/dev/zero")  # endless: never read
+    result = merge_shards(tmp_path)
+    assert (result.successes, result.failures, result.corrupt_lines) == (1, 0, 0)
+
+
+def test_argument_edges_are_accepted(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a", [rec(0, 0)])
+    result = merge_shards(tmp_path, output_prefix="run.v2_final-1", fan_in=2, workers=1, pool_min_bytes=0)
+    assert (result.successes, result.successes_path.name) == (1, "run.v2_final-1.jsonl")
 
 
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
         pytest.param({"output_prefix": "../x"}, "output_prefix='../x'", id="prefix-traversal"),
+        pytest.param({"output_prefix": "a..b"}, "output_prefix='a..b'", id="prefix-dotdot"),
+        pytest.param({"output_prefix": 5}, "output_prefix=5", id="prefix-not-str"),
         pytest.param(
             {"output_prefix": "rollouts-all"}, "does not start with 'rollouts-'", id="prefix-shardlike"
         ),
@@ -192,8 +261,9 @@ def test_merge_of_a_folder_without_shards_is_an_input_error(tmp_path: Path) -> N
 )
 def test_merge_rejects_bad_arguments(tmp_path: Path, kwargs: dict[str, Any], fragment: str) -> None:
     write_shard(tmp_path, "a", [rec(0, 0)])
-    with pytest.raises(ConfigError, match=re.escape(fragment)):
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as info:
         merge_shards(tmp_path, **kwargs)
+    assert info.value.key == next(iter(kwargs))
 
 
 def write_lines(run_dir: Path, name: str, lines: list[bytes]) -> None:
@@ -351,12 +421,24 @@ def merged_bytes(run_dir: Path) -> tuple[bytes, bytes]:
     return (run_dir / "rollouts.jsonl").read_bytes(), (run_dir / "rollouts_failures.jsonl").read_bytes()
 
 
-def test_process_pool_writes_the_same_bytes_and_counts_as_in_process(tmp_path: Path) -> None:
+def test_process_pool_writes_the_same_bytes_and_counts_as_in_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     wide_and_crafted_run(tmp_path)
     in_process = merge_shards(tmp_path, fan_in=2, workers=1)
     expected = merged_bytes(tmp_path)
     (tmp_path / "rollouts.jsonl").write_text("old\n")
+    sorted_in_pool: list[str] = []
+
+    class CountingPool(concurrent.futures.ProcessPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            sorted_in_pool.append(args[1])  # the shard label
+            return super().submit(fn, *args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", CountingPool)
     pooled = merge_shards(tmp_path, fan_in=2, workers=2, pool_min_bytes=0)
+    # every shard sorted in the pool, once per pass (the wide indices restart the merge once)
+    assert sorted_in_pool == [*in_process.shards, *in_process.shards]
     assert merged_bytes(tmp_path) == expected
     assert pooled == in_process
     assert (pooled.successes, pooled.failures, pooled.corrupt_lines, pooled.omitted_rows_skipped) == (
@@ -387,3 +469,97 @@ def test_error_in_a_pool_process_surfaces_like_in_process(tmp_path: Path) -> Non
     assert (tmp_path / "rollouts.jsonl").read_text() == "old\n"
     assert multiprocessing.active_children() == []
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        pytest.param(
+            [rec(0, 2**100, src="a"), rec(0, 1), rec(0, 2**100 + 1), fail(0, -(2**99)), rec(0, -(2**99) - 1)],
+            id="huge-rollout",
+        ),
+        pytest.param(
+            [fail(1, 0, 2**90), fail(1, 0, 3), fail(1, 0, 2**90 - 1), fail(0, 5, 2**91), fail(0, 5, 1)],
+            id="huge-attempt",
+        ),
+        pytest.param(
+            # each at the edge of a width: 2**(4w-1) needs w+1 hex digits, 2**(4w-1) - 1 needs w
+            # (the layout widens 16 -> 32 -> 64 -> 128 digits here; -(2**510) - n are in its lowest quarter)
+            [rec(v, 0) for v in (2**127 - 1, 2**127, -(2**127), -(2**127) - 1, 2**255, -(2**255) - 1, 7)]
+            + [rec(-(2**510) - n, 0) for n in (1, 5, 3)]
+            + [rec(7, v) for v in (2**203, -(2**203) - 1, 2**203 - 1)],
+            id="width-edges",
+        ),
+        pytest.param(
+            # one index wider than twice the first layout: the layout is sized by what that index needs
+            [
+                rec(2**200, 0),
+                fail(2**200, 1, 1),
+                rec(5, 0),
+                fail(5, 1, 2),
+                rec(2**200 - 1, 1),
+                fail(-(2**200), 0),
+            ],
+            id="one-huge-index",
+        ),
+    ],
+)
+def test_huge_rollout_and_attempt_indices_order_like_integers(tmp_path: Path, records: list[Any]) -> None:
+    shards = [records[::2], records[1::2]]
+    for number, shard in enumerate(shards):
+        write_shard(tmp_path, f"s{number}", shard)
+    merge_shards(tmp_path, fan_in=2)
+    expected_successes, expected_failures = _reference_merge(shards)
+    assert read(tmp_path / "rollouts.jsonl") == expected_successes
+    assert read(tmp_path / "rollouts_failures.jsonl") == expected_failures
+
+
+def test_more_lines_than_one_write_batch_are_all_written_in_order(tmp_path: Path) -> None:
+    # 4,096 lines are buffered per write: 5,000 successes and 5,000 failures take two batches each; the
+    # shard file (2.5 MB) is read in three 1 MiB chunks, lines cut across chunk ends
+    pad = "p" * 200
+    successes = [rec(t, 0, n=t, pad=pad) for t in range(4999, -1, -1)]
+    failures = [fail(t, 1, n=t, pad=pad) for t in range(5000)]
+    write_shard(tmp_path, "a", successes + failures)
+    result = merge_shards(tmp_path)
+    assert (result.successes, result.failures) == (5000, 5000)
+    assert [r["n"] for r in read(tmp_path / "rollouts.jsonl")] == list(range(5000))
+    assert [r["n"] for r in read(tmp_path / "rollouts_failures.jsonl")] == list(range(5000))
+
+
+class _PoolAsked(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("workers", "threshold", "expected"),
+    [
+        pytest.param(2, -1, 2, id="above-threshold"),
+        pytest.param(2, 0, None, id="at-threshold"),
+        pytest.param(5, -1, 3, id="one-per-shard"),
+        pytest.param(None, -1, min(len(os.sched_getaffinity(0)), 3), id="one-per-cpu"),
+        pytest.param(1, -1, None, id="one-worker"),
+    ],
+)
+def test_a_process_pool_is_started_only_above_pool_min_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int | None, threshold: int, expected: int | None
+) -> None:
+    """The pool decision alone: the pool's own output is pinned by the (slower) spawn-pool tests."""
+    write_shard(tmp_path, "a", [rec(0, 0), fail(1, 0)])
+    write_shard(tmp_path, "b", [rec(2, 0)])
+    write_shard(tmp_path, "c", [fail(3, 0), fail(4, 0)])
+    shard_bytes = sum(p.stat().st_size for p in tmp_path.glob("rollouts-*.jsonl"))
+    asked: list[tuple[int, str]] = []
+
+    def no_spawn(*, max_workers: int, mp_context: Any) -> None:
+        asked.append((max_workers, mp_context.get_start_method()))
+        raise _PoolAsked
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", no_spawn)
+    if expected is None:
+        assert merge_shards(tmp_path, workers=workers, pool_min_bytes=shard_bytes + threshold).successes == 2
+        assert asked == []
+    else:
+        with pytest.raises(_PoolAsked):
+            merge_shards(tmp_path, workers=workers, pool_min_bytes=shard_bytes + threshold)
+        assert asked == [(expected, "spawn")]  # spawn: a forked child would inherit the caller's threads

@@ -156,16 +156,131 @@ def test_writer_refuses_use_before_open_and_reopen_after_close(tmp_path: Path) -
     w.open()
     w.close()
     w.close()
-    with pytest.raises(UsageError, match="closed"):
+    with pytest.raises(UsageError, match=r"^ShardWriter for shard 's0' is closed; create a new writer$"):
         w.open()
-    with pytest.raises(UsageError, match="closed"):
+    with pytest.raises(UsageError, match=r"^ShardWriter for shard 's0' is closed; open\(\) it first$"):
         w.append(row(0, 0))
+
+
+def test_a_writer_closed_before_it_was_opened_cannot_be_opened(tmp_path: Path) -> None:
+    w = writer(tmp_path)
+    w.close()
+    with pytest.raises(UsageError, match=r"^ShardWriter for shard 's0' is closed; create a new writer$"):
+        w.open()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_record_that_is_not_a_dict_is_refused_naming_its_type(tmp_path: Path) -> None:
+    with writer(tmp_path) as w, pytest.raises(UsageError) as info:
+        w.append([1])  # type: ignore[arg-type]
+    assert str(info.value) == "shard 's0': a record must be a dict, got list"
+
+
+def test_open_creates_missing_parent_folders_and_record_files_without_exec_bits(tmp_path: Path) -> None:
+    run_dir = tmp_path / "a" / "b"
+    with writer(run_dir) as w:
+        w.append(row(0, 0))
+    umask = os.umask(0)
+    os.umask(umask)
+    paths = shard_paths(run_dir, "s0")
+    assert [p.stat().st_mode & 0o777 for p in (paths.successes, paths.failures)] == [0o644 & ~umask] * 2
+
+
+def test_a_failed_open_names_the_folder_and_the_writer_takes_no_more_use(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    w = writer(tmp_path / "file" / "run")
+    with pytest.raises(ShardIOError) as info:
+        w.open()
+    assert str(info.value).startswith(
+        f"shard 's0': opening in {tmp_path / 'file' / 'run'} failed ([Errno 20]"
+    )
+    assert str(info.value).endswith("; check the folder's permissions and free space")
+    with pytest.raises(UsageError, match=r"^ShardWriter for shard 's0' is failed; create a new writer$"):
+        w.open()
+
+
+@pytest.mark.parametrize(
+    ("target", "write"),
+    [
+        pytest.param("progress", lambda w: w.write_progress(), id="progress"),
+        pytest.param("materialized_inputs", lambda w: w.write_materialized_inputs([row(0, 0)]), id="inputs"),
+        pytest.param(
+            "manifest",
+            lambda w: w.write_manifest(
+                build_manifest(w.paths.run_dir, "s0", run_id="run-1", config_identity=None)
+            ),
+            id="manifest",
+        ),
+    ],
+)
+def test_a_failed_replace_fails_the_shard_naming_the_file(tmp_path: Path, target: str, write: Any) -> None:
+    paths = shard_paths(tmp_path, "s0")
+    with writer(tmp_path) as w:
+        if target == "manifest":
+            w.write_materialized_inputs([row(0, 0)])
+        getattr(paths, target).mkdir()  # a folder where the file goes: os.replace fails with EISDIR
+        with pytest.raises(ShardIOError) as info:
+            write(w)
+        assert str(info.value).startswith(
+            f"shard 's0': writing {getattr(paths, target)} failed: EISDIR Is a directory. The shard is failed"
+        )
+        with pytest.raises(ShardIOError, match=r"is failed \(writing .* failed: EISDIR"):
+            w.append(row(0, 0))
+
+
+@pytest.mark.parametrize(
+    ("every", "syncing_appends"),
+    [pytest.param(None, [256], id="default-256"), pytest.param(1, [1, 2, 3], id="every-record")],
+)
+def test_files_are_fsynced_every_fsync_every_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int | None, syncing_appends: list[int]
+) -> None:
+    kwargs = {} if every is None else {"fsync_every": every}
+    count = 300 if every is None else 3
+    calls: list[int] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        calls.append(fd)
+        real_fsync(fd)
+
+    with writer(tmp_path, **kwargs) as w:
+        monkeypatch.setattr(os, "fsync", spy)
+        syncing = []
+        for number in range(1, count + 1):
+            before = len(calls)
+            w.append(row(number, 0))
+            if len(calls) > before:
+                syncing.append(number)
+    assert syncing == syncing_appends
+    assert len(lines_of(shard_paths(tmp_path, "s0").successes)) == count
 
 
 @pytest.mark.parametrize("value", [pytest.param(0, id="zero"), pytest.param(-1, id="negative")])
 def test_fsync_every_must_be_positive(tmp_path: Path, value: int) -> None:
-    with pytest.raises(ConfigError, match=f"fsync_every={value}"):
+    with pytest.raises(ConfigError, match=f"fsync_every={value}") as info:
         writer(tmp_path, fsync_every=value)
+    assert info.value.key == "fsync_every"
+
+
+def test_kept_omitted_rows_count_as_omitted_now_and_after_reopening(tmp_path: Path) -> None:
+    drained = {keys.FAILURE_CLASS: "cancelled", keys.NO_PERSIST: True}
+    with writer(tmp_path, record_omitted_rollouts=True) as w:
+        w.write_materialized_inputs([row(0, 0), row(1, 0), row(2, 0)])
+        for record in (row(0, 0, **drained), row(1, 0, **drained), row(2, 0, reward=1.0)):
+            w.append(record)
+        counts = w.progress().model_dump(include={"planned", "succeeded", "failed", "omitted", "attempts"})
+    expected = {"planned": 3, "succeeded": 1, "failed": {}, "omitted": 2, "attempts": 1}
+    assert counts == expected
+    assert len(lines_of(shard_paths(tmp_path, "s0").failures)) == 2
+    with writer(tmp_path) as reopened:
+        assert reopened.progress().model_dump(include=set(expected)) == expected
+
+
+def test_no_materialized_rows_plan_zero(tmp_path: Path) -> None:
+    with writer(tmp_path) as w:
+        w.write_materialized_inputs([])
+        assert w.progress().planned == 0
 
 
 def test_second_opener_takes_the_shard_and_the_first_writes_nothing(tmp_path: Path) -> None:
@@ -422,6 +537,8 @@ def test_bad_materialized_row_replaces_nothing(tmp_path: Path) -> None:
         w.write_materialized_inputs([row(0, 0)])
         with pytest.raises(UsageError, match="materialized row 2 is a list"):
             w.write_materialized_inputs([row(0, 0), [1]])  # type: ignore[list-item]
+        with pytest.raises(UsageError, match=r"^shard 's0': materialized row 2 cannot be written as JSON"):
+            w.write_materialized_inputs([row(0, 0), row(1, 0, bad={1, 2})])
     assert lines_of(paths.materialized_inputs) == [row(0, 0)]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 

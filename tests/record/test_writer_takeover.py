@@ -62,6 +62,18 @@ WRITES: dict[str, Callable[[ShardWriter, Path], object]] = {
 }
 
 
+# What the error says the stale writer can no longer do, per write path.
+VERBS = {
+    "append": "append to",
+    "append-failure": "append to",
+    "progress": "write",
+    "materialized-inputs": "write the materialized inputs of",
+    "manifest": "write",
+    "checkpoint": "fsync",
+    "close": "fsync",
+}
+
+
 @pytest.mark.parametrize("action", [pytest.param(name, id=name) for name in WRITES])
 def test_a_stale_writer_writes_nothing_on_any_path(tmp_path: Path, action: str) -> None:
     paths = shard_paths(tmp_path, SHARD)
@@ -77,18 +89,23 @@ def test_a_stale_writer_writes_nothing_on_any_path(tmp_path: Path, action: str) 
     error = info.value
     assert isinstance(error, RuntimeError)
     assert (error.shard, error.holder_pid, error.holder_host) == (SHARD, os.getpid(), socket.gethostname())
-    assert str(error).startswith(
+    assert str(error) == (
         f"shard '{SHARD}' was opened by another writer since this writer opened it; this writer can no "
-        f"longer "
+        f"longer {VERBS[action]} it (a newer worker owns it: pid {os.getpid()} on {socket.gethostname()}) "
+        f"and wrote nothing. Stop this writer; the holder resumes the shard in {tmp_path}"
     )
-    assert f"(a newer worker owns it: pid {os.getpid()} on {socket.gethostname()}) and wrote nothing" in str(
-        error
-    )
-    # The new holder writes on; the stale writer keeps failing until closed, and closing it is quiet.
+    # The new holder writes on; the stale writer keeps failing (the same error) until closed, and closing
+    # it is quiet.
     new.append(_row(1, who="new"))
     if action != "close":
-        with pytest.raises(ShardLockError):
+        with pytest.raises(ShardLockError) as again:
             old.append(_row(2, who="old"))
+        assert (str(again.value), again.value.shard, again.value.holder_pid, again.value.holder_host) == (
+            str(error),
+            SHARD,
+            os.getpid(),
+            socket.gethostname(),
+        )
         old.close()
     with pytest.raises(UsageError, match="closed"):
         old.append(_row(3, who="old"))
@@ -138,3 +155,28 @@ def test_a_writer_taken_over_before_it_wrote_anything_closes_quietly(tmp_path: P
     new.close()
     lines = shard_paths(tmp_path, SHARD).successes.read_bytes().splitlines()
     assert [json.loads(line)["who"] for line in lines] == ["new"]
+
+
+@pytest.mark.parametrize(
+    ("token", "holder", "where"),
+    [
+        pytest.param(b"not json\n", (None, None), "its token is unreadable", id="not-json"),
+        pytest.param(b'["pid", 12]\n', (None, None), "its token is unreadable", id="not-an-object"),
+        pytest.param(
+            b'{"pid": "12", "host": 5}\n', (None, None), "its token is unreadable", id="wrong-types"
+        ),
+        pytest.param(b'{"pid": 12}\n', (12, None), "pid 12 on None", id="pid-only"),
+        pytest.param(b'{"host": "h1"}\n', (None, "h1"), "pid None on h1", id="host-only"),
+    ],
+)
+def test_the_error_names_the_new_holder_as_far_as_its_token_tells(
+    tmp_path: Path, token: bytes, holder: tuple[int | None, str | None], where: str
+) -> None:
+    old = _writer(tmp_path, "old").open()
+    shard_paths(tmp_path, SHARD).lock.write_bytes(token)  # another program's token, in place
+    with pytest.raises(ShardLockError) as info:
+        old.append(_row(0))
+    assert (info.value.holder_pid, info.value.holder_host) == holder
+    assert f"(a newer worker owns it: {where}) and wrote nothing" in str(info.value)
+    old.close()
+    assert shard_paths(tmp_path, SHARD).successes.read_bytes() == b""

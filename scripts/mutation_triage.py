@@ -1,0 +1,195 @@
+"""Surviving mutants triaged by hand, per module (read by ``scripts/mutation.py`` for its report).
+
+Each entry names a mutant (mutmut's name without the ``gym_ray.<module>.`` prefix) and why no test kills
+it: *equivalent* (no input can tell it from the original: a value overwritten before it is read, a fast
+path that falls back to the general one, a layout or naming detail), or *not reached here* (a branch the
+mutation run's test selection leaves out, with the test that covers it). Mutant numbers are per
+function: when a function changes, its entries must be checked again (the report lists any triaged name
+that no longer survives or exists, so stale entries show).
+"""
+
+from __future__ import annotations
+
+_NONE_FALSE = "None and False read alike where the value is only tested for truth"
+
+
+def _same(reason: str, *names: str) -> dict[str, str]:
+    return dict.fromkeys(names, reason)
+
+
+TRIAGED: dict[str, dict[str, str]] = {
+    "record/writer.py": {
+        **_same(
+            "config_identity is stored but never read by the writer (the manifest carries its own)",
+            "xǁShardWriterǁ__init____mutmut_21",
+        ),
+        **_same(
+            "initial value replaced before any read: open() makes the token; the failure and stale fields "
+            "are read only in the states that set them; None/False/'' read alike",
+            *(f"xǁShardWriterǁ__init____mutmut_{n}" for n in (30, 31, 32, 34, 35)),
+        ),
+        **_same(
+            "os.close of the writer's own descriptors fails only on an I/O error at close, which a local "
+            "file system does not produce",
+            "xǁShardWriterǁ_close_fds__mutmut_3",
+        ),
+        **_same(
+            "the errno name of an OSError without a known errno: message wording only",
+            *(f"xǁShardWriterǁ_fail__mutmut_{n}" for n in (3, 5, 7, 8)),
+        ),
+        **_same(
+            "the token's random length and JSON spacing: it stays unique and parseable",
+            *(f"xǁShardWriterǁ_make_token__mutmut_{n}" for n in (4, 5, 16, 18)),
+        ),
+        **_same("the file name in a log line", *(f"xǁShardWriterǁ_repair__mutmut_{n}" for n in (8, 10, 11))),
+        **_same(_NONE_FALSE, "xǁShardWriterǁ_seed_counts__mutmut_3"),
+        **_same(
+            "closing an already closed writer does nothing either way",
+            "xǁShardWriterǁclose__mutmut_4",
+            "xǁShardWriterǁclose__mutmut_5",
+        ),
+        **_same(
+            "JSON indentation of files that are read with a JSON parser",
+            "xǁShardWriterǁwrite_manifest__mutmut_10",
+            "xǁShardWriterǁwrite_manifest__mutmut_11",
+            "xǁShardWriterǁwrite_progress__mutmut_7",
+            "xǁShardWriterǁwrite_progress__mutmut_8",
+        ),
+    },
+    "record/recording.py": {
+        **_same(
+            "_total is set by stamp() (and by the resume plan) before any row runs",
+            "xǁShardRecorderǁ__init____mutmut_36",
+            "xǁShardRecorderǁ__init____mutmut_37",
+        ),
+        **_same(_NONE_FALSE, *(f"xǁShardRecorderǁ__init____mutmut_{n}" for n in (42, 44, 46, 48, 50))),
+        **_same(
+            "_opened only decides whether closing closes the writer; closing a writer never opened does "
+            "nothing",
+            "xǁShardRecorderǁ__init____mutmut_45",
+        ),
+        **_same(
+            "zip(strict=...) right after an explicit length check",
+            *(f"xǁShardRecorderǁ_check_resume__mutmut_{n}" for n in (17, 20, 21)),
+            *(f"xǁShardRecorderǁ_check_same_rows__mutmut_{n}" for n in (14, 17, 18)),
+        ),
+        **_same(
+            "a corrupt materialized row is refused in the same call by stamp()'s strict read, with the same "
+            "InputError naming file and line",
+            *(f"xǁShardRecorderǁ_recorded_run_id__mutmut_{n}" for n in (10, 12, 13)),
+        ),
+        **_same(
+            "reached only by a hand-edited inputs file whose run id is not a string",
+            "xǁShardRecorderǁ_recorded_run_id__mutmut_17",
+        ),
+        **_same(
+            "record_failure_row does not use its row argument (it keeps the hook's shape)",
+            "xǁShardRecorderǁfailure_recorder__mutmut_1",
+        ),
+    },
+    "record/merge.py": {
+        **_same(
+            "the read bound (the file's size at open) differs only for a file that grows or shrinks while "
+            "it is merged, which the docstring rules out (merge a run once its writers are done); a FIFO or "
+            "device has size 0 either way",
+            *(f"x__file_line_batches__mutmut_{n}" for n in (10, 15, 27, 28, 29)),
+        ),
+        **_same("a wider key layout than needed is still exact", "x__hex_digits__mutmut_3"),
+        **_same(
+            "where the temp files go and their names: removed either way (tests check no '.merge-*' is "
+            "left); the location on the run's file system is not tested",
+            *(f"x__merge__mutmut_{n}" for n in (2, 3, 4, 5, 6, 7)),
+        ),
+        **_same(
+            "names of intermediate files, one extra merge pass, file buffering: same bytes",
+            *(f"x__reduce_runs__mutmut_{n}" for n in (2, 3, 5, 6, 24)),
+            "x__sort_shard__mutmut_134",
+        ),
+        **_same(
+            "the packed 64-bit key is a fast path: any struct.error falls back to the general layout, which "
+            "gives the same order",
+            "x__sort_shard__mutmut_4",
+            *(f"x__sort_shard__mutmut_{n}" for n in range(84, 101)),
+        ),
+        **_same(
+            "the pydantic-core parser is a fast path: a line it does not take goes to parse_record, which "
+            "gives the same verdict",
+            *(f"x__sort_shard__mutmut_{n}" for n in (23, 25, 30, 31)),
+        ),
+        **_same(
+            "the in-shard sequence only has to grow in magnitude to keep file order",
+            "x__sort_shard__mutmut_78",
+            "x__sort_shard__mutmut_79",
+        ),
+        **_same(
+            "platforms without os.sched_getaffinity only",
+            *(f"x__usable_cpus__mutmut_{n}" for n in (1, 5, 6, 7, 8)),
+        ),
+        **_same(
+            "one more widening pass, or upper-case hex in a pass that never mixes it with lower case",
+            "x__wide_key__mutmut_11",
+            "x__wide_key__mutmut_22",
+            "xǁ_WidthExceededǁ__init____mutmut_1",
+            "x_merge_shards__mutmut_124",
+            "x_merge_shards__mutmut_125",
+        ),
+        **_same(
+            "sentinels never equal to a temp line's digits; flushing at 4,097 lines instead of 4,096; one "
+            "_write_merged call per tally",
+            *(f"x__write_merged__mutmut_{n}" for n in (24, 25, 35, 36, 49, 69, 81, 83, 85, 87, 89, 91)),
+        ),
+        **_same(
+            "the default fan_in bounds open files only; the output is the same", "x_merge_shards__mutmut_3"
+        ),
+        **_same(
+            "pool only: killed by test_process_pool_writes_the_same_bytes_and_counts_as_in_process / "
+            "test_error_in_a_pool_process_surfaces_like_in_process, deselected in the mutation run (15 s "
+            "each: every pool process imports the mutated package)",
+            "x__merge__mutmut_13",
+            "x_merge_shards__mutmut_111",
+            *(f"x__sort_shards__mutmut_{n}" for n in range(13, 28)),
+        ),
+        **_same(
+            "a sorting process that dies (BrokenExecutor): not produced by any test",
+            "x_merge_shards__mutmut_132",
+        ),
+    },
+    "dispatch/_completion.py": {
+        **_same(
+            "re-awaiting the finished prepare task returns at once: _prepared only saves that await",
+            "xǁCompletionIteratorǁ_ensure_prepared__mutmut_7",
+            "xǁCompletionIteratorǁ_ensure_prepared__mutmut_8",
+        ),
+        **_same(
+            "the closed mode is only compared with 'aclose', so any other text reads as 'drain'",
+            "xǁCompletionIteratorǁaclose_and_drain__mutmut_7",
+            "xǁCompletionIteratorǁaclose_and_drain__mutmut_8",
+        ),
+        **_same(
+            "a repeated close joins what the first close already joined; with no loop recorded no task "
+            "exists, so the loop is never used",
+            "xǁCompletionIteratorǁaclose_and_drain__mutmut_2",
+            "xǁCompletionIteratorǁaclose_and_drain__mutmut_5",
+        ),
+        **_same(
+            "asyncio sends None into a coroutine, and a Future ignores the value sent to it",
+            "xǁ_Completionǁsend__mutmut_1",
+        ),
+        **_same(
+            "bounded iterators empty the ready queue when they close and never refill it",
+            "xǁCompletionIteratorǁ_next_outcome__mutmut_4",
+        ),
+        **_same(
+            "a waiter that is not done when its consumer is cancelled is cancelled, so both forms raise "
+            "CancelledError",
+            "xǁCompletionIteratorǁ_next_outcome__mutmut_18",
+        ),
+        **_same(
+            "the never-happens InternalError's text",
+            "xǁCompletionIteratorǁ_next_outcome__mutmut_12",
+        ),
+    },
+    "distributed/driver.py": {
+        **_same("specs is assigned before it is read", "xǁShardDriverǁ_plan_loop__mutmut_2"),
+    },
+}
