@@ -35,7 +35,7 @@ __all__ = [
 
 Identity = tuple[int, int]
 
-_LABEL_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_LABEL_RE = re.compile(r"[A-Za-z0-9._-]+")
 _RESERVED_SUFFIXES = ("_failures", "_materialized_inputs")
 _MAX_LABEL = 200
 _PREFIX = "rollouts-"
@@ -64,7 +64,7 @@ def validate_shard_label(shard: str) -> str:
         problem = "must be a non-empty string"
     elif len(shard) > _MAX_LABEL:
         problem = f"is {len(shard)} characters long; the limit is {_MAX_LABEL}"
-    elif not _LABEL_RE.match(shard):
+    elif not _LABEL_RE.fullmatch(shard):  # (match() would accept a trailing newline: "$" matches before it)
         problem = "may only contain letters, digits, '.', '_' and '-' (no path separators)"
     elif ".." in shard:
         problem = "must not contain '..'"
