@@ -66,13 +66,19 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/record/test_contracts.py",
         "tests/record/test_writer_takeover.py",
     ),
-    "record/shard_files.py": ("tests/record/test_records.py", "tests/chaos/test_shard_lock.py"),
+    "record/shard_files.py": (
+        "tests/record/test_shard_files.py",
+        "tests/record/test_records.py",
+        "tests/chaos/test_shard_lock.py",
+    ),
     "record/recording.py": ("tests/dispatch/test_helper_record.py", "tests/record/test_recording.py"),
     "plan/validation.py": ("tests/plan/test_preprocess_validation.py", "tests/dispatch/test_contracts.py"),
     "record/aggregate.py": ("tests/record/test_aggregate.py", "tests/record/test_contracts.py"),
     "record/_aggregate_spool.py": ("tests/record/test_aggregate.py", "tests/record/test_contracts.py"),
     "dispatch/engine.py": ("tests/dispatch/test_dispatch.py", "tests/dispatch/test_contracts.py"),
     "dispatch/_completion.py": (
+        # the admission contract on plain coroutines (milliseconds per test)
+        "tests/dispatch/test_completion_iterator.py",
         # the iterator's own tests (bare and through the helper, real servers); test_dispatch.py's 30 other
         # tests cover it too but cost 20-30 s per surviving mutant on this machine
         "tests/dispatch/test_dispatch_close.py",

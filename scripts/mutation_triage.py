@@ -188,6 +188,39 @@ TRIAGED: dict[str, dict[str, str]] = {
             "the never-happens InternalError's text",
             "xǁCompletionIteratorǁ_next_outcome__mutmut_12",
         ),
+        **_same(
+            "break and return are the same here: the admission loop is the last statement of the function",
+            "xǁCompletionIteratorǁ_admit__mutmut_14",
+        ),
+        **_same(
+            "the recorded loop only caches get_running_loop(): an iterator is used from one loop, so both "
+            "give the same loop",
+            "xǁCompletionIteratorǁ_admit__mutmut_4",
+        ),
+        **_same(
+            "after a drain or a bounded aclose the ready queue is never read again (every later awaitable "
+            "raises CancelledError and a repeated close returns []), so what is appended to it is unseen",
+            "xǁCompletionIteratorǁ_on_done__mutmut_2",
+            "xǁCompletionIteratorǁ_on_done__mutmut_3",
+        ),
+        **_same(
+            "a task reaches its done callback once, so a _moved entry left behind is only memory held "
+            "until the iterator is dropped",
+            "xǁCompletionIteratorǁ_on_done__mutmut_10",
+        ),
+    },
+    "record/shard_files.py": {
+        **_same(
+            "the read size of each chunk changes only memory use: the digest of the same bytes is the same",
+            "x_file_sha256__mutmut_10",
+            "x_file_sha256__mutmut_12",
+            "x_file_sha256__mutmut_13",
+        ),
+        **_same(
+            "a regular local file takes the whole pwrite in one call, so '=' and '+=' of the first (only) "
+            "count agree",
+            "xǁShardLockǁwrite_token__mutmut_10",
+        ),
     },
     "distributed/driver.py": {
         **_same("specs is assigned before it is read", "xǁShardDriverǁ_plan_loop__mutmut_2"),

@@ -180,3 +180,32 @@ def test_an_exception_thrown_into_an_unstarted_awaitable_with_its_value_is_raise
         item.throw(error)
     assert caught.value is error
     item.close()
+
+
+async def test_a_consumer_cancelled_after_claiming_while_the_iterator_closes_gets_cancellation() -> None:
+    consumer: asyncio.Task[int] | None = None
+    it: CompletionIterator[int, int]
+
+    def close_now(_: object) -> None:
+        # runs right after the iterator handed the outcome to the waiting consumer, before it resumes:
+        # cancel the consumer and close the iterator (aclose() finishes without suspending: nothing runs)
+        assert consumer is not None
+        consumer.cancel()
+        closing = it.aclose()
+        with pytest.raises(StopIteration):
+            closing.send(None)
+
+    async def run(i: int) -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        task.add_done_callback(close_now)
+        await asyncio.sleep(0)
+        raise ValueError(f"row {i} failed")
+
+    it = CompletionIterator([4], run, max_resident_tasks=1)
+    consumer = asyncio.create_task(next(it))
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(consumer), timeout=30)
+    assert it.closed is True
+    assert it.in_flight == 0
+    assert await it.aclose_and_drain() == []  # closed: the claimed outcome is not handed out again

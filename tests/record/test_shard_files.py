@@ -86,6 +86,8 @@ def test_list_shards_finds_every_label_once_from_any_of_its_files(tmp_path: Path
         "other-a.jsonl",  # not a shard file
         "rollouts-k_failures_failures.jsonl",  # label "k_failures" is reserved: skipped
     ]
+    # other files, many of them, so that the listing meets some before the shard files whatever its order
+    names += [f"notes-{i}.txt" for i in range(30)]
     for name in names:
         (tmp_path / name).write_bytes(b"")
     assert list_shards(tmp_path) == [".", "a", "b", "c", "d", "e", "f", "g.h"]
@@ -141,6 +143,9 @@ def test_lock_file_token_round_trip_replaces_the_content_in_place(tmp_path: Path
         lock.write_token(b"short")  # the old, longer content is gone
         assert lock.read_token() == b"short"
         assert lock.read_token(limit=3) == b"sho"
+        lock.write_token(b"")
+        assert lock.read_token() == b""
+        assert path.stat().st_size == 0
     big = bytes(range(256)) * 64  # 16 KiB: more than one pwrite may take
     with lock.held():
         lock.write_token(big)
