@@ -73,7 +73,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     ),
     "record/recording.py": ("tests/dispatch/test_helper_record.py", "tests/record/test_recording.py"),
     "plan/validation.py": ("tests/plan/test_preprocess_validation.py", "tests/dispatch/test_contracts.py"),
-    "record/aggregate.py": ("tests/record/test_aggregate.py", "tests/record/test_contracts.py"),
+    "record/aggregate.py": (
+        "tests/record/test_aggregate_run.py",
+        "tests/record/test_aggregate.py",
+        "tests/record/test_contracts.py",
+    ),
     "record/_aggregate_spool.py": ("tests/record/test_aggregate.py", "tests/record/test_contracts.py"),
     "dispatch/engine.py": ("tests/dispatch/test_dispatch.py", "tests/dispatch/test_contracts.py"),
     "dispatch/_completion.py": (
