@@ -222,6 +222,36 @@ TRIAGED: dict[str, dict[str, str]] = {
             "xǁShardLockǁwrite_token__mutmut_10",
         ),
     },
+    "record/aggregate.py": {
+        **_same(
+            "the streamed lists are empty stand-ins when the reply is checked, so leaving them in the "
+            "strict-JSON encoding changes nothing",
+            *(f"x__validate_reply__mutmut_{n}" for n in (25, 26, 27, 28, 29)),
+        ),
+        **_same(
+            "a file entry takes each streamed list from the outcome's fragments, which replace the entry's "
+            "empty stand-in (or its absence) under the same key",
+            "x__entry__mutmut_26",
+            "x__entry__mutmut_33",
+        ),
+        **_same(
+            "_call_one sets the error whenever no reply is kept (cancellation ends the whole call), so the "
+            "'no reply' fallback and the initial error value are never read",
+            "x__entry__mutmut_8",
+            "xǁ_Outcomeǁ__init____mutmut_3",
+        ),
+        **_same(
+            "the merged file exists when it is read: _merged_file checked it or merge_shards just wrote it",
+            "x__iter_records__mutmut_3",
+            "x__iter_records__mutmut_6",
+            "x__iter_records__mutmut_8",
+        ),
+        **_same(
+            "pydantic's model_validate returns an instance of the model as it is",
+            "x__read_entries__mutmut_7",
+        ),
+        **_same(_NONE_FALSE, "x_aggregate_run__mutmut_14"),
+    },
     "distributed/driver.py": {
         **_same("specs is assigned before it is read", "xǁShardDriverǁ_plan_loop__mutmut_2"),
     },

@@ -11,18 +11,23 @@ from pathlib import Path
 
 import pytest
 
-from gym_ray.errors import InputError, UsageError
+from gym_ray.config.topology import Topology
+from gym_ray.dispatch.client import ServerClient
+from gym_ray.errors import InputError, ServerResponseError, UsageError
 from gym_ray.record.aggregate import (
+    aggregate_metrics,
     aggregate_run,
     completion_rejection,
     raise_for_aggregation_errors,
     read_metrics_summary,
 )
 from tests.record.test_aggregate import (
+    _HOST,
     _base_config,
     _deployment,
     _failing_config,
     _failing_results,
+    _Recorder,
     _result,
 )
 
@@ -120,3 +125,33 @@ def test_one_settled_rollout_with_nothing_retryable_is_accepted() -> None:
         )
         is None
     )
+
+
+@pytest.mark.parametrize(
+    ("reply", "problem"),
+    [
+        pytest.param(
+            {"agent_metrics": {"x": float("nan")}, "key_metrics": {}, "group_level_metrics": []},
+            "is not strict JSON (",
+            id="not-finite",
+        ),
+        pytest.param(
+            {"agent_metrics": {}, "group_level_metrics": {"x": 1}}, "is not AggregateMetrics (", id="shape"
+        ),
+    ],
+)
+async def test_a_bad_reply_raises_with_the_body_excerpt(
+    tmp_path: Path, reply: dict[str, object], problem: str
+) -> None:
+    recorder = _Recorder(reply=lambda _: reply)
+    async with recorder.serving() as port:
+        cfg = {"env_rec": {"environment_servers": {"recorder": {"host": _HOST, "port": port}}}}
+        topology = Topology.from_config(cfg)
+        async with ServerClient(topology, connect_retries=0, max_request_retries=0) as client:
+            rows = [_result(0, 0, 1.0, agent=None, server="env_rec")]
+            with pytest.raises(ServerResponseError) as info:
+                await aggregate_metrics(rows, topology, client, output_path=tmp_path / "m.json")
+    assert str(info.value).startswith(f"/aggregate_metrics on 'env_rec' answered a body that {problem}")
+    assert info.value.body_excerpt == json.dumps(reply)  # aiohttp's json_response body, short enough
+    saved = json.loads((tmp_path / "m.json").read_text(encoding="utf-8"))
+    assert saved[0]["aggregation_error"] == f"ServerResponseError: {info.value}"
