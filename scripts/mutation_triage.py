@@ -208,6 +208,13 @@ TRIAGED: dict[str, dict[str, str]] = {
             "until the iterator is dropped",
             "xǁCompletionIteratorǁ_on_done__mutmut_10",
         ),
+        **_same(
+            _NONE_FALSE + " (_closed is otherwise only compared with 'aclose'; _loop is only used as "
+            "`self._loop or get_running_loop()`)",
+            "xǁCompletionIteratorǁ__init____mutmut_24",
+            "xǁCompletionIteratorǁ__init____mutmut_39",
+            "xǁCompletionIteratorǁ__init____mutmut_41",
+        ),
     },
     "record/shard_files.py": {
         **_same(

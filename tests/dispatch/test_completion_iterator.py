@@ -209,3 +209,18 @@ async def test_a_consumer_cancelled_after_claiming_while_the_iterator_closes_get
     assert it.closed is True
     assert it.in_flight == 0
     assert await it.aclose_and_drain() == []  # closed: the claimed outcome is not handed out again
+
+
+async def test_the_default_validation_batch_is_1024_rows() -> None:
+    sizes: list[int] = []
+
+    def validate(batch: list[int]) -> list[int]:
+        sizes.append(len(batch))
+        return batch
+
+    it: CompletionIterator[int, int] = CompletionIterator(
+        range(1030), echo, max_resident_tasks=8, validate_batch=validate
+    )
+    assert sum([1 async for _ in it]) == 1030
+    await it.aclose()
+    assert sizes == [1024, 6]
