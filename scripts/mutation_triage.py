@@ -201,7 +201,6 @@ TRIAGED: dict[str, dict[str, str]] = {
             "after a drain or a bounded aclose the ready queue is never read again (every later awaitable "
             "raises CancelledError and a repeated close returns []), so what is appended to it is unseen",
             "xǁCompletionIteratorǁ_on_done__mutmut_2",
-            "xǁCompletionIteratorǁ_on_done__mutmut_3",
         ),
         **_same(
             "a task reaches its done callback once, so a _moved entry left behind is only memory held "
