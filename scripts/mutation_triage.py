@@ -238,7 +238,13 @@ TRIAGED: dict[str, dict[str, str]] = {
             "a file entry takes each streamed list from the outcome's fragments, which replace the entry's "
             "empty stand-in (or its absence) under the same key",
             "x__entry__mutmut_26",
+            "x__entry__mutmut_32",
             "x__entry__mutmut_33",
+        ),
+        **_same(
+            "the per-server task's name is only shown by debugging tools",
+            "x_aggregate_metrics__mutmut_28",
+            "x_aggregate_metrics__mutmut_30",
         ),
         **_same(
             "_call_one sets the error whenever no reply is kept (cancellation ends the whole call), so the "
