@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import struct
+import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gym_ray.record._aggregate_spool import _indented
+from gym_ray.record.aggregate import _atomic_write_json, read_metrics_summary
 
 _AWKWARD: list[Any] = [
     1e-05,
@@ -85,3 +89,26 @@ def test_values_json_refuses_are_refused(value: Any, message: str) -> None:
     # orjson would write NaN/infinity as null; the metrics file must refuse them, as json does.
     with pytest.raises(ValueError, match=message):
         _indented({"v": value})
+
+
+def test_summary_of_the_file_just_written_equals_the_file_read_back(tmp_path: Path) -> None:
+    entries: list[dict[str, Any]] = [
+        {
+            "agent_ref": {"name": "a"},
+            "_ng_environment_server": "env_a",
+            "agent_metrics": {"mean/reward": 1 / 3, "tiny": 1e-05, "big": 2**70},
+            "key_metrics": {"mean/reward": 1 / 3},
+            "group_level_metrics": [{"task": 0}],
+            "repeat_level_metrics": [],
+        },
+        {"agent_ref": {"name": "env_b"}, "_ng_environment_server": "env_b", "aggregation_error": "E: x"},
+    ]
+    path = tmp_path / "m.json"
+    _atomic_write_json(path, entries, threading.Event())
+    expected = [{k: v for k, v in e.items() if not k.endswith("level_metrics")} for e in entries]
+    assert read_metrics_summary(path) == expected
+    # Another process replaces the file: the summary is the new file's, not the one written here.
+    other = [{"agent_ref": {"name": "c"}, "_ng_environment_server": "env_c", "key_metrics": {"m": 2}}]
+    path.with_name("new.json").write_text(json.dumps(other, indent=2))
+    os.replace(path.with_name("new.json"), path)
+    assert read_metrics_summary(path) == other
