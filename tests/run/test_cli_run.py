@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -219,8 +220,12 @@ def test_a_killed_driver_and_coordinator_actor_is_named_and_the_folder_stays_res
     )
     try:
         _wait_for(lambda: _lines(out / "rollouts-00000.jsonl") >= 2, "the first recorded rollouts", proc)
+        tree = [_cmdline(p) for p in _descendants(proc.pid)]
+        # One worker and one host: the run's actor processes, by class (Ray's own processes aside).
+        classes = Counter(c.split()[0].split(".")[0] for c in tree if c.startswith(_RUN_ACTORS))
+        assert classes == {"ray::RunHost": 1, "ray::RolloutWorker": 1}, tree
         victims = [p for p in _descendants(proc.pid) if f"ray::{actor}" in _cmdline(p)]
-        assert len(victims) == 1, [_cmdline(p) for p in _descendants(proc.pid)]
+        assert len(victims) == 1, tree
         victims[0].kill()
         _, stderr = proc.communicate(timeout=180)
     finally:
@@ -240,6 +245,10 @@ def test_a_killed_driver_and_coordinator_actor_is_named_and_the_folder_stays_res
     assert (rerun.returncode, rerun.stderr) == (0, "")
     report = check_run(out)
     assert (report.ok, report.planned, report.settled) == (True, 60, 60)
+
+
+#: Process titles of gym_ray's actor classes, past and present (the driver and coordinator used to be two).
+_RUN_ACTORS = ("ray::RunHost", "ray::RolloutWorker", "ray::ShardDriver", "ray::RunCoordinator")
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
