@@ -244,14 +244,15 @@ async def run_actors(
 
     finished = False
     try:
-        await host.start.remote()
+        # The host and the workers start at once (their processes start and import in parallel); the
+        # host starts planning as soon as it is up.
+        host_started = host.start.remote()
         initial = [f"w{index}" for index in range(num_workers)]
+        workers_up = [create_worker(w, share).pid.remote() for w, share in zip(initial, shares, strict=True)]
+        await host_started
         # Start line: every worker process is up before any pulls, so early workers cannot take the
         # whole first wave of shards. A worker that failed to start fails its run() and is replaced.
-        await asyncio.gather(
-            *(create_worker(w, share).pid.remote() for w, share in zip(initial, shares, strict=True)),
-            return_exceptions=True,
-        )
+        await asyncio.gather(*workers_up, return_exceptions=True)
         for worker_id in initial:
             launch(worker_id)
         next_index = num_workers
