@@ -246,7 +246,8 @@ class IncompleteRunError(GymRayError):
 
 
 class ActorLostError(GymRayError):
-    """An actor the run cannot replace died: ``role`` is ``"driver"`` or ``"coordinator"``."""
+    """An actor the run cannot replace died: ``role`` is ``"driver"`` (the run's host actor, which holds the
+    driver and the coordinator)."""
 
     def __init__(self, message: str, *, role: str, run_dir: str | None = None) -> None:
         super().__init__(message)

@@ -14,9 +14,9 @@ Scenarios (each starts its own reference servers on 127.0.0.1 and a fresh run fo
   ``PATH``, one ``wrk`` per server (a C client, ``in_flight_total`` connections split evenly, about
   ``efficiency_rollouts / ideal`` seconds, at least 5) gives the servers' own ceiling: ``wrk_efficiency``
   and ``ray_vs_wrk`` (None without ``wrk``).
-- ``rss``: peak resident memory of the driver and of each worker actor for two input sizes (instant
-  servers, input read from a JSONL file), sampled every ``sample_s``; flat peaks mean memory does not grow
-  with the input.
+- ``rss``: peak resident memory of the driver (the run host actor: driver and coordinator) and of each
+  worker actor for two input sizes (instant servers, input read from a JSONL file), sampled every
+  ``sample_s``; flat peaks mean memory does not grow with the input.
 
 The reference servers run in a child process (spawned, one per scenario run), so they do not share this
 process's interpreter lock with the sampler and the bare loop. The sampler reads their ``/run`` counters
@@ -217,7 +217,7 @@ def _input_file(folder: Path, rows: int) -> Path:
 
 
 async def _pids(actors: RunActors) -> dict[str, int]:
-    pids = {"driver": await actors.driver.pid.remote()}
+    pids = {"driver": await actors.host.pid.remote()}  # the host: driver and coordinator
     for worker_id, handle in list(actors.workers.items()):
         with contextlib.suppress(Exception):
             pids[worker_id] = await handle.pid.remote()

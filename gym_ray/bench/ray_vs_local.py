@@ -10,6 +10,9 @@ GCS, raylet, agents, every actor) and records:
   living shorter than one sample interval is missed);
 - ``peak_tree_rss_mb``: the largest sum of resident memory over the tree at one sample (shared pages,
   e.g. Ray's object store, count once per process that maps them, so this overstates, never understates);
+- ``peak_tree_pss_mb``: the largest sum of proportional set sizes at one sample (each shared page split
+  between the processes that map it: what the tree costs the machine; pages shared with processes outside
+  the tree, such as another Ray on the same machine, count only in part);
 - ``peak_processes``: the most processes the tree had at one sample.
 
 From two sizes ``a < b`` a straight line ``cost(n) = fixed + n * per_rollout`` is fitted for wall and CPU:
@@ -49,6 +52,7 @@ class _TreeSampler:
         self._root = root
         self._cpu: dict[int, float] = {}
         self.peak_rss = 0
+        self.peak_pss = 0
         self.peak_processes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -76,18 +80,21 @@ class _TreeSampler:
             procs = [root, *root.children(recursive=True)]
         except psutil.Error:
             return
-        rss = 0
+        rss = pss = 0
         alive = 0
         for proc in procs:
             try:
                 with proc.oneshot():
                     times = proc.cpu_times()
-                    rss += proc.memory_info().rss
+                    memory = proc.memory_full_info()  # smaps_rollup: PSS as well as RSS
             except psutil.Error:
                 continue
+            rss += memory.rss
+            pss += getattr(memory, "pss", memory.rss)  # PSS is Linux-only; elsewhere RSS stands in
             alive += 1
             self._cpu[proc.pid] = times.user + times.system
         self.peak_rss = max(self.peak_rss, rss)
+        self.peak_pss = max(self.peak_pss, pss)
         self.peak_processes = max(self.peak_processes, alive)
 
 
@@ -111,6 +118,7 @@ def measure_tree(command: list[str], *, env: dict[str, str], cwd: Path) -> dict[
         "wall_s": round(wall, 3),
         "cpu_s": round(sampler.cpu_s, 3),
         "peak_tree_rss_mb": round(sampler.peak_rss / _MB, 1),
+        "peak_tree_pss_mb": round(sampler.peak_pss / _MB, 1),
         "peak_processes": sampler.peak_processes,
     }
 
@@ -156,5 +164,7 @@ def run_ray_vs_local_bench(sizes: tuple[int, ...] = (2000, 20000), workers: int 
             result["ray"]["cpu"]["per_rollout_us"] / result["local"]["cpu"]["per_rollout_us"], 3
         ),
         "ray_tree_rss_mb": ray["peak_tree_rss_mb"],
+        "ray_tree_pss_mb": ray["peak_tree_pss_mb"],
+        "ray_processes": ray["peak_processes"],
     }
     return result

@@ -22,14 +22,14 @@ DEFAULT_CLOSE_GRACE_S = 30.0
 class RunActors:
     """The live actors of a distributed run (for status, tests and chaos tools).
 
-    ``workers`` maps worker id -> actor handle and gains replacements as they start; ``nodes`` maps
-    worker id -> the Ray node (hex id) it was placed on; ``lost`` lists the workers that died, in order;
-    ``moved`` lists the workers retired from a crowded node (they finished their shards) so that a
-    replacement could start on a node that joined the cluster with none of the run's workers.
+    ``host`` is the :class:`~gym_ray.distributed.host.RunHost` actor (the shard driver and the coordinator
+    in one process); ``workers`` maps worker id -> actor handle and gains replacements as they start;
+    ``nodes`` maps worker id -> the Ray node (hex id) it was placed on; ``lost`` lists the workers that
+    died, in order; ``moved`` lists the workers retired from a crowded node (they finished their shards)
+    so that a replacement could start on a node that joined the cluster with none of the run's workers.
     """
 
-    driver: Any
-    coordinator: Any
+    host: Any
     workers: dict[str, Any] = field(default_factory=dict)
     nodes: dict[str, str] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)
@@ -66,8 +66,7 @@ async def teardown_actors(
 
     handles = [
         *(handle for worker_id, handle in actors.workers.items() if worker_id not in actors.lost),
-        actors.driver,
-        actors.coordinator,
+        actors.host,
     ]
     try:
         if runs:
@@ -83,7 +82,7 @@ async def teardown_actors(
             logger.info("collect: stopping the run's actors")
         await close_actors(handles, timeout_s=close_grace_s)
     finally:
-        for handle in [*actors.workers.values(), actors.driver, actors.coordinator]:
+        for handle in [*actors.workers.values(), actors.host]:
             ray.kill(handle, no_restart=True)
 
 

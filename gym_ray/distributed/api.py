@@ -3,7 +3,8 @@
 Roles (ARCHITECTURE.md, "Ray roles"): one :class:`~gym_ray.distributed.driver.ShardDriver` plans the run and
 hands shards out on request; ``num_workers`` :class:`~gym_ray.distributed.worker.RolloutWorker` actors pull
 and run them; one :class:`~gym_ray.distributed.coordinator.RunCoordinator` counts shard reports and
-finalizes the run (merge, ``/aggregate_metrics`` once per environment server, summary). The same
+finalizes the run (merge, ``/aggregate_metrics`` once per environment server, summary). The driver and the
+coordinator share one actor process, the :class:`~gym_ray.distributed.host.RunHost`. The same
 ``plan_run`` / ``run_shard`` / ``finalize_run`` serve a single-process run; Ray only decides which process
 runs which shard. All actors use ``num_cpus=0`` (they wait on the network and the disk), so four workers fit
 on a 2-CPU local Ray; on a cluster the run folder must be on a file system every node sees.
@@ -39,8 +40,9 @@ from gym_ray.distributed.actors import (
     stop_poller,
     teardown_actors,
 )
-from gym_ray.distributed.coordinator import FinalizeFn, RunCoordinator
-from gym_ray.distributed.driver import Planner, ShardDriver, driver_max_concurrency
+from gym_ray.distributed.coordinator import FinalizeFn
+from gym_ray.distributed.driver import Planner
+from gym_ray.distributed.host import RunHost, host_max_concurrency
 from gym_ray.distributed.live import (
     DEFAULT_PROGRESS_INTERVAL_S,
     ProgressHook,
@@ -129,8 +131,8 @@ async def run_actors(
 ) -> RunResult:
     """Run a planned collection on the Ray this process is connected to (Ray must be initialized).
 
-    Starts the coordinator, the driver (with ``planner``) and ``num_workers`` workers, supervises the
-    workers (replacing dead ones), then finalizes through the coordinator.
+    Starts the run's host actor (the driver, with ``planner``, and the coordinator) and ``num_workers``
+    workers, supervises the workers (replacing dead ones), then finalizes through the coordinator.
 
     Args:
         run: The run's config (shipped to every actor as this object).
@@ -184,33 +186,26 @@ async def run_actors(
         num_workers = cap
     shares = worker_shares(cap, num_workers)
     restarts_left = 2 * num_workers if max_worker_restarts is None else max_worker_restarts
-    driver_concurrency = driver_max_concurrency(num_workers, shards_in_flight)
+    host_concurrency = host_max_concurrency(num_workers, shards_in_flight)
     worker_concurrency = worker_max_concurrency(settings)
-    coordinator_concurrency = num_workers * shards_in_flight + 16
     logger.info(
         "collect: %d workers x %d shard lanes, max_resident_tasks=%d and max_connections=%d per worker; "
-        "actor max_concurrency: driver=%d worker=%d coordinator=%d; num_cpus=0 for every actor, workers "
-        "spread over the nodes with CPUs, driver and coordinator on this node",
+        "actor max_concurrency: host (driver and coordinator)=%d worker=%d; num_cpus=0 for every actor, "
+        "workers spread over the nodes with CPUs, the host on this node",
         num_workers,
         shards_in_flight,
         settings.max_resident_tasks,
         settings.max_connections,
-        driver_concurrency,
+        host_concurrency,
         worker_concurrency,
-        coordinator_concurrency,
     )
     # Actor handles are typed Any: Ray's stubs do not type ``.remote`` calls of plain classes.
-    coordinator: Any = (
-        ray.remote(RunCoordinator)
-        .options(max_concurrency=coordinator_concurrency, **pinned_to_caller())
-        .remote(run_dir, run, finalize_fn=finalize_fn)
+    host: Any = (
+        ray.remote(RunHost)
+        .options(max_concurrency=host_concurrency, **pinned_to_caller())
+        .remote(run_dir, run, planner, lookahead=2 * num_workers, finalize_fn=finalize_fn)
     )
-    driver: Any = (
-        ray.remote(ShardDriver)
-        .options(max_concurrency=driver_concurrency, **pinned_to_caller())
-        .remote(planner, lookahead=2 * num_workers, coordinator=coordinator)
-    )
-    actors = RunActors(driver=driver, coordinator=coordinator)
+    actors = RunActors(host=host)
     worker_class: Any = ray.remote(RolloutWorker)
     placement = WorkerPlacement()
     runs: dict[asyncio.Future[WorkerTotals], str] = {}
@@ -229,8 +224,7 @@ async def run_actors(
             actors.nodes[worker_id] = node
         handle: Any = worker_class.options(max_concurrency=worker_concurrency, **options).remote(
             worker_id,
-            driver,
-            coordinator,
+            host,
             worker_run,
             shard_fn=shard_fn,
             shards_in_flight=shards_in_flight,
@@ -250,14 +244,15 @@ async def run_actors(
 
     finished = False
     try:
-        await driver.start.remote()
+        # The host and the workers start at once (their processes start and import in parallel); the
+        # host starts planning as soon as it is up.
+        host_started = host.start.remote()
         initial = [f"w{index}" for index in range(num_workers)]
+        workers_up = [create_worker(w, share).pid.remote() for w, share in zip(initial, shares, strict=True)]
+        await host_started
         # Start line: every worker process is up before any pulls, so early workers cannot take the
         # whole first wave of shards. A worker that failed to start fails its run() and is replaced.
-        await asyncio.gather(
-            *(create_worker(w, share).pid.remote() for w, share in zip(initial, shares, strict=True)),
-            return_exceptions=True,
-        )
+        await asyncio.gather(*workers_up, return_exceptions=True)
         for worker_id in initial:
             launch(worker_id)
         next_index = num_workers
@@ -265,13 +260,13 @@ async def run_actors(
             on_started(actors)
         if on_progress is not None:
             poller = asyncio.ensure_future(
-                poll_progress(coordinator, live_workers, on_progress, interval_s=progress_interval_s)
+                poll_progress(host, live_workers, on_progress, interval_s=progress_interval_s)
             )
         moving: str | None = None
         while runs:
             done, _ = await asyncio.wait(runs, timeout=rebalance_every_s, return_when=asyncio.FIRST_COMPLETED)
             if not done and moving is None:
-                moving = await _move_a_worker(driver, placement, actors)
+                moving = await _move_a_worker(host, placement, actors)
             for call in done:
                 worker_id = runs.pop(call)
                 try:
@@ -284,18 +279,18 @@ async def run_actors(
                         launch(replacement)
                 except ray.exceptions.RayActorError as exc:
                     moving = None if worker_id == moving else moving
-                    # A worker's run() also fails when the driver or coordinator it talks to died:
-                    # name that actor instead of blaming (and replacing) the workers.
+                    # A worker's run() also fails when the host actor it talks to died: name that actor
+                    # instead of blaming (and replacing) the workers.
                     await _raise_if_run_actor_lost(actors, run_dir)
                     actors.lost.append(worker_id)
-                    requeued = await driver.worker_lost.remote(worker_id)
+                    requeued = await host.worker_lost.remote(worker_id)
                     logger.warning(
                         "collect: worker %s died (%s); re-queued %d shards",
                         worker_id,
                         type(exc).__name__,
                         len(requeued),
                     )
-                    status = await driver.status.remote()
+                    status = await host.status.remote()
                     if not status.finished and restarts_left > 0:
                         restarts_left -= 1
                         replacement = f"w{next_index}"
@@ -305,8 +300,8 @@ async def run_actors(
                         launch(replacement)
         await stop_poller(poller)
         if on_progress is not None:
-            on_progress(await progress_snapshot(coordinator, ()))  # every report is in: exact
-        status = await driver.status.remote()
+            on_progress(await progress_snapshot(host, ()))  # every report is in: exact
+        status = await host.status.remote()
         if status.plan_error is not None:
             raise status.plan_error
         if status.failures:
@@ -320,8 +315,7 @@ async def run_actors(
                 f"{status.queued} shards are unfinished in {run_dir}. "
                 "Run again on the same output_dir to resume"
             )
-        await driver.close.remote()
-        result: RunResult = await coordinator.finalize.remote(
+        result: RunResult = await host.finalize.remote(
             num_workers=num_workers, wall_s=time.monotonic() - started
         )
         finished = True
@@ -336,16 +330,16 @@ async def run_actors(
         )
 
 
-async def _move_a_worker(driver: Any, placement: WorkerPlacement, actors: RunActors) -> str | None:
+async def _move_a_worker(host: Any, placement: WorkerPlacement, actors: RunActors) -> str | None:
     """Retire one worker of a crowded node when a node with CPUs has none (see ``rebalance_every_s``)."""
     worker_id = placement.worker_to_move(actors.live())
     if worker_id is None:
         return None
-    status = await driver.status.remote()
+    status = await host.status.remote()
     if status.finished or (status.plan_done and not status.queued):
         return None  # nothing left to hand out: moving would not add work anywhere
     actors.moved.append(worker_id)
-    await driver.retire.remote(worker_id)
+    await host.retire.remote(worker_id)
     logger.info("collect: a node without workers joined; worker %s finishes its shards and moves", worker_id)
     return worker_id
 
@@ -364,29 +358,26 @@ def worker_shares(cap: int | None, num_workers: int) -> list[int | None]:
     return [base + (1 if index < extra else 0) for index in range(num_workers)]
 
 
-#: Seconds a liveness probe of the driver or coordinator may take before the actor counts as alive (busy).
+#: Seconds a liveness probe of the host actor may take before it counts as alive (busy).
 _PROBE_S = 30.0
-_ROLES = (("driver", "ShardDriver"), ("coordinator", "RunCoordinator"))
 
 
 async def _raise_if_run_actor_lost(actors: RunActors, run_dir: str) -> None:
-    """Raise :class:`ActorLostError` naming the driver or coordinator when one of them died."""
+    """Raise :class:`ActorLostError` naming the run's host actor (driver and coordinator) when it died."""
     import ray
 
-    for role, name in _ROLES:
-        handle = actors.driver if role == "driver" else actors.coordinator
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(handle.pid.remote().future()), _PROBE_S)
-        except ray.exceptions.RayActorError as exc:
-            reason = (str(exc).strip().splitlines() or ["no reason given"])[0]
-            raise ActorLostError(
-                f"the run's {role} actor ({name}) died ({reason[:200]}); the run cannot go on without it; "
-                f"{resume_hint(run_dir)}",
-                role=role,
-                run_dir=run_dir,
-            ) from None
-        except TimeoutError:
-            continue  # busy, not dead
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(actors.host.pid.remote().future()), _PROBE_S)
+    except ray.exceptions.RayActorError as exc:
+        reason = (str(exc).strip().splitlines() or ["no reason given"])[0]
+        raise ActorLostError(
+            f"the run's driver and coordinator actor ({RunHost.__name__}) died ({reason[:200]}); the run "
+            f"cannot go on without it; {resume_hint(run_dir)}",
+            role="driver",
+            run_dir=run_dir,
+        ) from None
+    except TimeoutError:
+        return  # busy, not dead
 
 
 def resume_hint(run_dir: str) -> str:
@@ -446,7 +437,7 @@ async def acollect(
             or an unreachable environment server (:func:`gym_ray.run.preflight.preflight`, before Ray starts).
         RunLockError: Another run holds ``output_dir`` (before Ray starts).
         GymRayError: Planning or a shard failed; the run folder is resumable.
-        ActorLostError: The driver or coordinator actor died; the run folder is resumable.
+        ActorLostError: The run's host actor (driver and coordinator) died; the run folder is resumable.
         IncompleteRunError: ``require_complete`` and the run is not complete.
         CancelledError: Cancelled; the actors are stopped, the run folder is resumable.
     """

@@ -1,4 +1,5 @@
-"""The coordinator actor: learns of each finished shard, keeps the run's status, finalizes the run.
+"""The coordinator: learns of each finished shard, keeps the run's status, finalizes the run (served, with
+the driver, by the run's host actor, :mod:`gym_ray.distributed.host`).
 
 Workers send one :class:`~gym_ray.run.result.ShardReport` per shard they ran (with that call's successes by
 environment server and reward sums, for the live progress view); the driver sends each planned
@@ -13,7 +14,7 @@ Counting promise: a report counts only what its ``run_shard`` call wrote (``succ
 sums stay exact when a shard is run again after its worker died (the re-run finds the recorded rollouts
 done and writes only the rest). The figures on disk (the merged files) remain the source of truth.
 
-Ray resources: IO bound; start it with ``num_cpus=0``.
+Ray resources: IO bound (``num_cpus=0``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _default_finalize() -> FinalizeFn:
 class RunCoordinator:
     """Records shard reports, keeps the run status, and finalizes the run.
 
-    Run as a Ray async actor (``ray.remote(RunCoordinator).options(num_cpus=0)``).
+    Served by the run's :class:`~gym_ray.distributed.host.RunHost` actor (plain Python: it also works in one
+    event loop).
 
     Args:
         run_dir: The run folder.

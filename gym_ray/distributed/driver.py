@@ -1,4 +1,5 @@
-"""The driver actor: owns a run's plan and hands shards to workers on request.
+"""The driver: owns a run's plan and hands shards to workers on request (served, with the coordinator, by
+the run's host actor, :mod:`gym_ray.distributed.host`).
 
 Workers pull (``next_shard``); nothing is split statically, so a fast worker takes more shards and a
 straggler holds only the shards it is running. The driver tracks which worker holds which shard; when a
@@ -24,8 +25,8 @@ Concurrency promises:
 - A worker declared lost gets ``None`` from then on, and its late completions are ignored; an assignment
   made to it while it was dying goes back to the queue.
 
-The actor is IO bound: start it with ``num_cpus=0`` and ``max_concurrency`` at least the number of
-concurrent ``next_shard`` callers (workers x lanes) plus a margin (see :func:`driver_max_concurrency`).
+It is IO bound: its actor needs ``num_cpus=0`` and ``max_concurrency`` at least the number of concurrent
+``next_shard`` callers (workers x lanes) plus a margin (see :func:`driver_max_concurrency`).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gym_ray.errors import GymRayError, InternalError, ShardLockError
 
@@ -87,15 +88,16 @@ class DriverStatus:
 class ShardDriver:
     """Owns the plan; hands out shards pull-based; re-queues a dead worker's shards.
 
-    Run as a Ray async actor (``ray.remote(ShardDriver).options(num_cpus=0, max_concurrency=...)``); the
-    class is plain Python so it also works, and is tested, in one event loop.
+    Served by the run's :class:`~gym_ray.distributed.host.RunHost` actor; the class is plain Python so it
+    also works, and is tested, in one event loop.
 
     Args:
         planner: Yields the run's shards in order, each already written to the run folder. Called once,
             in a thread of the actor. Errors it raises (bad input, resume conflict) abort the run and
             are reported by :meth:`status` as ``plan_error``.
         lookahead: How many planned shards may wait in the queue (e.g. ``2 x num_workers``).
-        coordinator: Handle of the coordinator actor, told of planning progress (optional).
+        on_planned: Awaited with each planned shard, then with ``None`` when planning ended (the
+            coordinator's :meth:`~gym_ray.distributed.coordinator.RunCoordinator.plan_progress`; optional).
         clock: Monotonic clock, injected for tests.
     """
 
@@ -104,14 +106,14 @@ class ShardDriver:
         planner: Planner,
         *,
         lookahead: int,
-        coordinator: Any = None,
+        on_planned: Callable[[ShardSpec | None], Awaitable[None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if lookahead < 1:
             raise InternalError(f"driver lookahead must be >= 1, got {lookahead}")
         self._planner = planner
         self._lookahead = lookahead
-        self._coordinator = coordinator
+        self._on_planned = on_planned
         self._clock = clock
         self._changed: asyncio.Condition | None = None
         self._planner_task: asyncio.Task[None] | None = None
@@ -155,17 +157,21 @@ class ShardDriver:
         """Start planning now (otherwise the first ``next_shard`` starts it)."""
         self._cond()
 
-    async def close(self) -> None:
-        """Stop planning after the shard being cut (if any), join the planner task, then flush and shut
-        down this process's telemetry (see :func:`gym_ray.observe.tracing.shutdown_tracing`). Idempotent."""
-        from gym_ray.observe.tracing import shutdown_tracing
-
+    async def stop_planning(self) -> None:
+        """Stop planning after the shard being cut (if any) and join the planner task. Idempotent."""
         cond = self._cond()
         async with cond:
             self._closing = True
             cond.notify_all()
         if self._planner_task is not None:
             await self._planner_task
+
+    async def close(self) -> None:
+        """:meth:`stop_planning`, then flush and shut down this process's telemetry (see
+        :func:`gym_ray.observe.tracing.shutdown_tracing`). Idempotent."""
+        from gym_ray.observe.tracing import shutdown_tracing
+
+        await self.stop_planning()
         await asyncio.to_thread(shutdown_tracing)
 
     async def _plan_loop(self) -> None:
@@ -187,8 +193,8 @@ class ShardDriver:
                         self._planned_shards += 1
                         self._planned_rows += spec.num_rows
                     cond.notify_all()
-                if self._coordinator is not None:
-                    await self._coordinator.plan_progress.remote(spec)
+                if self._on_planned is not None:
+                    await self._on_planned(spec)
                 if spec is None:
                     logger.info(
                         "driver: plan complete, %d shards, %d rows", self._planned_shards, self._planned_rows

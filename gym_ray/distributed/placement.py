@@ -10,8 +10,19 @@
   workers first, so workers spread by construction and a lost node's replacements go to the others.
   The affinity is hard (Ray's soft affinity was seen placing actors elsewhere while the chosen node had
   room): a worker whose node is gone before it starts fails to start and is replaced like a lost one.
-- :func:`pinned_to_caller` keeps the driver and the coordinator on the caller's node (usually the head),
-  whose loss ends the run anyway.
+- :func:`pinned_to_caller` keeps the run's host actor (the driver and the coordinator) on the caller's
+  node (usually the head), whose loss ends the run anyway.
+
+What a local Ray costs (Ray 2.60, read from ``ray/_private/node.py`` and ``services.py``): ``ray.init``
+always starts the GCS, the raylet (which starts its dashboard agent and runtime-env agent), the autoscaler
+monitor, the log monitor and the API server (``dashboard.py``, with ``include_dashboard=False`` only its
+minimal modules); ``ray.init`` has no public switch for any of them (``include_log_monitor`` and
+``no_monitor`` exist only as internal node parameters), so a local run's tree is those 7 processes, the
+caller and the ``1 + num_workers`` actor processes. What is ours to choose: no dashboard
+(``include_dashboard=False``), no log forwarding (``log_to_driver=False``), and the logical CPU count
+(:data:`LOCAL_MAX_CPUS`), which bounds the worker processes Ray prestarts for the first driver (they become
+the run's actors instead of idling). The object store is left at Ray's default size: it is reserved, not
+resident (a run ships only small specs and reports through it, and rows passed as a list once).
 
 Every actor asks for ``num_cpus=0``: they wait on the network, and a CPU request would make a small
 cluster refuse to schedule them.
@@ -30,7 +41,13 @@ from typing import Any
 
 from gym_ray.errors import GymRayError
 
+#: Upper bound of the default worker count (one worker drives hundreds of rollouts at once).
+MAX_DEFAULT_WORKERS = 16
+#: Logical CPUs of a local Ray started for a run: the default workers and the run's host actor.
+LOCAL_MAX_CPUS = MAX_DEFAULT_WORKERS + 1
+
 __all__ = [
+    "LOCAL_MAX_CPUS",
     "MAX_DEFAULT_WORKERS",
     "WorkerPlacement",
     "current_node_id",
@@ -44,11 +61,16 @@ __all__ = [
 def ray_init_kwargs(address: str | None) -> dict[str, Any]:
     """Keyword arguments of ``ray.init`` for a run: join ``address``, else start a local Ray.
 
-    ``RAY_ADDRESS`` set in the environment counts as an address (Ray reads it itself).
+    ``RAY_ADDRESS`` set in the environment counts as an address (Ray reads it itself). A local Ray offers
+    ``min(cpu_count, MAX_DEFAULT_WORKERS + 1)`` logical CPUs (see :data:`LOCAL_MAX_CPUS`): gym_ray's actors
+    ask for none, and Ray starts that many idle worker processes when the first driver connects (and
+    ``ray.init`` waits for them), so on a large machine more would only be idle processes; at most
+    ``MAX_DEFAULT_WORKERS`` workers and the run's host actor take them over.
     """
     if address is not None or os.environ.get("RAY_ADDRESS"):
         return {"address": address}
-    return {"address": "local", "num_cpus": os.cpu_count() or 1, "include_dashboard": False}
+    cpus = min(os.cpu_count() or 1, LOCAL_MAX_CPUS)
+    return {"address": "local", "num_cpus": cpus, "include_dashboard": False}
 
 
 def current_node_id() -> str:
@@ -119,10 +141,6 @@ class WorkerPlacement:
     def node_of(self, worker_id: str) -> str | None:
         """The node chosen for ``worker_id`` (hex id), or None."""
         return self._where.get(worker_id)
-
-
-#: Upper bound of the default worker count (one worker drives hundreds of rollouts at once).
-MAX_DEFAULT_WORKERS = 16
 
 
 @asynccontextmanager

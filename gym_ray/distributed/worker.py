@@ -182,8 +182,8 @@ class RolloutWorker:
 
     Args:
         worker_id: This worker's name (unique in the run; a replacement gets a new name).
-        driver: Handle of the :class:`~gym_ray.distributed.driver.ShardDriver` actor.
-        coordinator: Handle of the :class:`~gym_ray.distributed.coordinator.RunCoordinator` actor.
+        host: Handle of the run's :class:`~gym_ray.distributed.host.RunHost` actor (the shard driver and
+            the coordinator).
         config: The plain global config (the topology and the tracer are built from it inside the actor).
         settings: The run's settings (``max_resident_tasks``, ``max_connections``, timeouts, ...).
         shard_fn: Runs one shard; :func:`gym_ray.run.collect.run_shard` by default.
@@ -196,8 +196,7 @@ class RolloutWorker:
     def __init__(
         self,
         worker_id: str,
-        driver: Any,
-        coordinator: Any,
+        host: Any,
         run: RunConfig,
         *,
         shard_fn: ShardFn | None = None,
@@ -209,8 +208,7 @@ class RolloutWorker:
         if shards_in_flight < 1:
             raise InternalError(f"shards_in_flight must be >= 1, got {shards_in_flight}")
         self._worker_id = worker_id
-        self._driver = driver
-        self._coordinator = coordinator
+        self._host = host
         self._run = run
         self._settings = run.settings
         self._shard_fn = shard_fn or _default_shard_fn()
@@ -322,7 +320,7 @@ class RolloutWorker:
         )
 
     async def _next_spec(self) -> ShardSpec | None:
-        spec: ShardSpec | None = await self._driver.next_shard.remote(self._worker_id)
+        spec: ShardSpec | None = await self._host.next_shard.remote(self._worker_id)
         return spec
 
     async def _run_counted(
@@ -363,8 +361,8 @@ class RolloutWorker:
         self._failed_by_class.update(report.failed_by_class)
         # Coordinator first: once the driver hears "finished" the run may end, and the report must
         # already be counted. Counts stay exact on a re-run: a report counts only what its call wrote.
-        await self._coordinator.record_report.remote(report, by_server=tally.servers())
-        await self._driver.shard_finished.remote(self._worker_id, report.shard)
+        await self._host.record_report.remote(report, by_server=tally.servers())
+        await self._host.shard_finished.remote(self._worker_id, report.shard)
 
     async def _on_error(self, spec: ShardSpec, exc: Exception) -> None:
         self._live.pop(spec.shard, None)
@@ -389,4 +387,4 @@ class RolloutWorker:
         logger.warning(
             "worker %s: shard %s failed: %s: %s", self._worker_id, spec.shard, type(exc).__name__, exc
         )
-        await self._driver.shard_failed.remote(failure)
+        await self._host.shard_failed.remote(failure)

@@ -4,12 +4,12 @@ Run as ``python -m tests.distributed.multinode_scenarios WORKDIR`` with ``RAY_TM
 private folder (the cluster then cannot be joined by another process's ``ray.init()``). The last line of
 stdout is a JSON report that tests/distributed/test_multinode.py asserts on.
 
-Cluster: a head node with ``num_cpus=0`` (it holds the caller, the driver and the coordinator) and two
-worker nodes with one CPU each; reference servers in this process, 40 ms per rollout.
+Cluster: a head node with ``num_cpus=0`` (it holds the caller and the run's host actor: the driver and the
+coordinator) and two worker nodes with one CPU each; reference servers in this process, 40 ms per rollout.
 
 Scenarios, three runs on one cluster (a cluster start costs seconds):
-- ``spread``: 4 workers; where each one was placed and where it actually runs, and where the driver and
-  the coordinator run.
+- ``spread``: 4 workers; where each one was placed and where it actually runs, and where the host actor
+  (driver and coordinator) runs.
 - ``node_loss``: 4 workers; once 60 rollouts are done, the second worker node is removed (its two
   workers die with it); the run must finish on the other node with nothing lost.
 - ``node_added``: 4 workers on the one worker node left; a one-CPU node joins mid-run: one worker finishes
@@ -103,8 +103,7 @@ async def _one_run(
     report: dict[str, Any] = {"placed": {worker: actors.nodes.get(worker) for worker in initial}}
     nodes_now = await asyncio.gather(*(handle.node_id.remote() for handle in initial.values()))
     report["runs_on"] = dict(zip(initial, nodes_now, strict=True))
-    report["driver_on"] = await actors.driver.node_id.remote()
-    report["coordinator_on"] = await actors.coordinator.node_id.remote()
+    report["host_on"] = await actors.host.node_id.remote()  # the driver and the coordinator
     if lose_node is not None:
         await _until(lambda: _completed(servers) >= 60 or task.done(), "60 finished rollouts")
         cluster.remove_node(lose_node)

@@ -293,13 +293,12 @@ async def test_an_untyped_planning_error_is_kept_as_an_internal_error_and_stops_
 
 
 class _Coordinator:
-    """Records what the driver reports about planning (the coordinator actor's ``plan_progress``)."""
+    """Records what the driver reports about planning (the coordinator's ``plan_progress``)."""
 
     def __init__(self) -> None:
         self.reported: list[str | None] = []
-        self.plan_progress = self
 
-    async def remote(self, spec: ShardSpec | None) -> None:
+    async def plan_progress(self, spec: ShardSpec | None) -> None:
         self.reported.append(None if spec is None else spec.shard)
 
 
@@ -307,7 +306,7 @@ async def test_the_coordinator_hears_of_each_planned_shard_then_the_end_of_the_p
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     coordinator = _Coordinator()
-    driver = ShardDriver(lambda: _specs(3), lookahead=5, coordinator=coordinator)
+    driver = ShardDriver(lambda: _specs(3), lookahead=5, on_planned=coordinator.plan_progress)
     caplog.set_level(logging.INFO, logger="gym_ray.distributed.driver")
     await driver.start()
     for _ in range(3):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from gym_ray.distributed.placement import WorkerPlacement, ray_init_kwargs
@@ -48,6 +49,12 @@ def test_dead_nodes_are_skipped_and_a_cluster_without_cpus_uses_every_alive_node
 def test_a_local_run_never_joins_another_cluster_on_the_machine(monkeypatch: Any) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert ray_init_kwargs(None)["address"] == "local"
+    # Ray prestarts one idle worker process per logical CPU for the first driver: at most what a run with
+    # the default worker count uses (16 workers and the host actor).
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert ray_init_kwargs(None)["num_cpus"] == 17
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert ray_init_kwargs(None)["num_cpus"] == 2
     assert ray_init_kwargs("ray://head:10001") == {"address": "ray://head:10001"}
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert ray_init_kwargs(None) == {"address": None}
