@@ -166,6 +166,12 @@ class RunCoordinator:
             by_server: That call's successes as ``{environment server: (count, reward sum)}`` (live
                 progress; see :class:`~gym_ray.distributed.worker.OutcomeTally`).
         """
+        self.count_report(report, by_server)
+
+    def count_report(
+        self, report: ShardReport, by_server: Mapping[str, tuple[int, float]] | None = None
+    ) -> None:
+        """:meth:`record_report` without an event loop (the run host counts under the driver's lock)."""
         self._shards_done.add(report.shard)
         for server, (count, reward) in (by_server or {}).items():
             entry = self._by_server.setdefault(server, [0, 0.0])

@@ -253,8 +253,19 @@ class ShardDriver:
             cond.notify_all()  # the planner may cut ahead again
             return spec
 
-    async def shard_finished(self, worker_id: str, shard: str) -> bool:
-        """Record that ``worker_id`` completed ``shard``. False (ignored) if it no longer owns it."""
+    async def shard_finished(
+        self, worker_id: str, shard: str, *, accepted: Callable[[], None] | None = None
+    ) -> bool:
+        """Record that ``worker_id`` completed ``shard``. False (ignored) if it no longer owns it.
+
+        Args:
+            worker_id: The worker reporting.
+            shard: The shard it completed.
+            accepted: Called under the hand-out lock when the completion is accepted, before the shard
+                counts as complete: counting the shard's report here counts it exactly once, even if
+                the worker dies right after (its shard is then not re-queued) or was declared lost
+                before (the report is not counted; the re-run's is).
+        """
         cond = self._cond()
         async with cond:
             if self._owner.get(shard) != worker_id:
@@ -262,6 +273,8 @@ class ShardDriver:
                     "driver: ignoring completion of shard %s by %s (not its owner)", shard, worker_id
                 )
                 return False
+            if accepted is not None:
+                accepted()
             del self._owner[shard]
             self._by_worker[worker_id].discard(shard)
             self._completed.add(shard)

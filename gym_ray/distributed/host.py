@@ -8,7 +8,8 @@ an actor call. The two objects keep their own state and promises
 :class:`RunHost` only forwards to them. Names follow the roles: the driver's methods keep their names
 (``next_shard``, ``shard_finished``, ``shard_failed``, ``worker_lost``, ``retire``, ``status``,
 ``wait_finished``), the coordinator's too (``record_report``, ``timings``, ``finalize``) except its status,
-which is :meth:`RunHost.run_status` here.
+which is :meth:`RunHost.run_status` here. Workers report a finished shard with :meth:`RunHost.report_shard`,
+which counts the report and completes the shard in one step.
 
 Concurrency: one event loop runs both objects, so nothing is shared across threads; the actor's
 ``max_concurrency`` (:func:`host_max_concurrency`) is the sum of what each role needed as an actor of its
@@ -20,6 +21,7 @@ line (:class:`~gym_ray.errors.ActorLostError`) and the run folder stays resumabl
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -105,6 +107,22 @@ class RunHost:
     async def shard_finished(self, worker_id: str, shard: str) -> bool:
         """See :meth:`ShardDriver.shard_finished`."""
         return await self._driver.shard_finished(worker_id, shard)
+
+    async def report_shard(
+        self, worker_id: str, report: ShardReport, by_server: dict[str, tuple[int, float]] | None = None
+    ) -> bool:
+        """A worker's finished shard: count its report and mark it complete as one step.
+
+        Two calls (count, then finish) let a worker that dies between them have its shard counted, then
+        re-queued and counted again. Here the report is counted only if the driver accepts the
+        completion, under the same lock. Returns False (nothing counted) if ``worker_id`` no longer owns
+        the shard.
+        """
+        return await self._driver.shard_finished(
+            worker_id,
+            report.shard,
+            accepted=functools.partial(self._coordinator.count_report, report, by_server),
+        )
 
     async def shard_failed(self, failure: ShardFailure) -> bool:
         """See :meth:`ShardDriver.shard_failed`."""

@@ -359,10 +359,9 @@ class RolloutWorker:
         self._succeeded += report.succeeded
         self._failed += report.failed
         self._failed_by_class.update(report.failed_by_class)
-        # Coordinator first: once the driver hears "finished" the run may end, and the report must
-        # already be counted. Counts stay exact on a re-run: a report counts only what its call wrote.
-        await self._host.record_report.remote(report, by_server=tally.servers())
-        await self._host.shard_finished.remote(self._worker_id, report.shard)
+        # One call counts the report and completes the shard together: a worker dying in between cannot
+        # leave its shard counted and re-queued (counted twice). A re-run counts only what it wrote.
+        await self._host.report_shard.remote(self._worker_id, report, tally.servers())
 
     async def _on_error(self, spec: ShardSpec, exc: Exception) -> None:
         self._live.pop(spec.shard, None)

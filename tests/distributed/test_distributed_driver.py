@@ -325,3 +325,22 @@ async def test_the_coordinator_hears_of_each_planned_shard_then_the_end_of_the_p
     assert [r.getMessage() for r in caplog.records if r.name == "gym_ray.distributed.driver"] == [
         "driver: plan complete, 3 shards, 30 rows"
     ]
+
+
+async def test_a_shard_report_is_counted_once_with_its_accepted_completion() -> None:
+    # The run host counts a worker's report inside `accepted`: only for the completion the driver takes,
+    # so a shard re-run after its worker was lost is counted once (the re-run's report), never twice.
+    driver = ShardDriver(lambda: _specs(1), lookahead=2)
+    counted: list[str] = []
+    first = await driver.next_shard("w0")
+    assert first is not None
+    assert await driver.worker_lost("w0") == ["00000"]
+    late = await driver.shard_finished("w0", "00000", accepted=lambda: counted.append("w0"))
+    assert (late, counted) == (False, [])
+    again = await driver.next_shard("w1")
+    assert again is not None
+    done = await driver.shard_finished("w1", "00000", accepted=lambda: counted.append("w1"))
+    assert (done, counted) == (True, ["w1"])
+    status = await driver.wait_finished()
+    assert (status.completed, status.requeued_total) == (1, 1)
+    await driver.close()
