@@ -156,22 +156,19 @@ class RunCoordinator:
 
         await asyncio.to_thread(shutdown_tracing)
 
-    async def record_report(
+    def record_report(
         self, report: ShardReport, by_server: Mapping[str, tuple[int, float]] | None = None
     ) -> None:
         """Count one shard's report (idempotent per shard for ``shards_done``; counts add up, see module).
+
+        Plain, not async: the run host calls it under the driver's lock, only for a completion the
+        driver accepts (:meth:`~gym_ray.distributed.host.RunHost.report_shard`).
 
         Args:
             report: What the shard's ``run_shard`` call did.
             by_server: That call's successes as ``{environment server: (count, reward sum)}`` (live
                 progress; see :class:`~gym_ray.distributed.worker.OutcomeTally`).
         """
-        self.count_report(report, by_server)
-
-    def count_report(
-        self, report: ShardReport, by_server: Mapping[str, tuple[int, float]] | None = None
-    ) -> None:
-        """:meth:`record_report` without an event loop (the run host counts under the driver's lock)."""
         self._shards_done.add(report.shard)
         for server, (count, reward) in (by_server or {}).items():
             entry = self._by_server.setdefault(server, [0, 0.0])

@@ -6,8 +6,8 @@ Python start-up), and the driver tells the coordinator of each planned shard wit
 an actor call. The two objects keep their own state and promises
 (:class:`~gym_ray.distributed.driver.ShardDriver`, :class:`~gym_ray.distributed.coordinator.RunCoordinator`);
 :class:`RunHost` only forwards to them. Names follow the roles: the driver's methods keep their names
-(``next_shard``, ``shard_finished``, ``shard_failed``, ``worker_lost``, ``retire``, ``status``,
-``wait_finished``), the coordinator's too (``record_report``, ``timings``, ``finalize``) except its status,
+(``next_shard``, ``shard_failed``, ``worker_lost``, ``retire``, ``status``,
+``wait_finished``), the coordinator's too (``timings``, ``finalize``) except its status,
 which is :meth:`RunHost.run_status` here. Workers report a finished shard with :meth:`RunHost.report_shard`,
 which counts the report and completes the shard in one step.
 
@@ -104,10 +104,6 @@ class RunHost:
         """See :meth:`ShardDriver.next_shard`."""
         return await self._driver.next_shard(worker_id)
 
-    async def shard_finished(self, worker_id: str, shard: str) -> bool:
-        """See :meth:`ShardDriver.shard_finished`."""
-        return await self._driver.shard_finished(worker_id, shard)
-
     async def report_shard(
         self, worker_id: str, report: ShardReport, by_server: dict[str, tuple[int, float]] | None = None
     ) -> bool:
@@ -121,7 +117,7 @@ class RunHost:
         return await self._driver.shard_finished(
             worker_id,
             report.shard,
-            accepted=functools.partial(self._coordinator.count_report, report, by_server),
+            accepted=functools.partial(self._coordinator.record_report, report, by_server),
         )
 
     async def shard_failed(self, failure: ShardFailure) -> bool:
@@ -145,12 +141,6 @@ class RunHost:
         return await self._driver.wait_finished()
 
     # -- coordinator -------------------------------------------------------------------------------
-
-    async def record_report(
-        self, report: ShardReport, by_server: dict[str, tuple[int, float]] | None = None
-    ) -> None:
-        """See :meth:`RunCoordinator.record_report`."""
-        await self._coordinator.record_report(report, by_server)
 
     async def run_status(self) -> RunStatus:
         """The counts of the finished shards (:meth:`RunCoordinator.status`)."""

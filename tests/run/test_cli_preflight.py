@@ -39,6 +39,22 @@ def ray_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def small_mount(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (skips where mounting is not allowed), unmounted afterwards."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
 def _refused(result: subprocess.CompletedProcess[str], status: int, line: str, ray_tmp: Path) -> None:
     assert (result.returncode, first_line(result.stderr)) == (status, line), result.stderr
     assert len(result.stderr.splitlines()) == 1, result.stderr
@@ -203,58 +219,44 @@ def test_a_ray_option_with_local_is_refused_not_ignored(
     assert not (tmp_path / "out").exists()
 
 
-def test_no_space_for_the_materialized_inputs_is_refused(tmp_path: Path, ray_tmp: Path) -> None:
+def test_no_space_for_the_materialized_inputs_is_refused(
+    tmp_path: Path, ray_tmp: Path, small_mount: Path
+) -> None:
     """ENOSPC on a 1 MiB tmpfs: 2,000 rows (~230 KiB) x 8 repeats cannot fit; refused before planning."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    mount = small_mount
+    config = _live_free_config(tmp_path)
+    rows = write_rows(tmp_path / "rows.jsonl", 2000)
+    size = rows.stat().st_size
+    free = shutil.disk_usage(mount).free
+    assert (free, 2**20 <= 8 * size < 2**30, size < 2**20) == (2**20, True, True)  # the units below
+    out = mount / "run"
+    result = gym_ray(
+        ["run", str(config), f"+input_jsonl_fpath={rows}", f"+output_dir={out}", "+num_repeats=8"],
+        cwd=tmp_path,
+        ray_tmp=ray_tmp,
     )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-    try:
-        config = _live_free_config(tmp_path)
-        rows = write_rows(tmp_path / "rows.jsonl", 2000)
-        size = rows.stat().st_size
-        free = shutil.disk_usage(mount).free
-        assert (free, 2**20 <= 8 * size < 2**30, size < 2**20) == (2**20, True, True)  # the units below
-        out = mount / "run"
-        result = gym_ray(
-            ["run", str(config), f"+input_jsonl_fpath={rows}", f"+output_dir={out}", "+num_repeats=8"],
-            cwd=tmp_path,
-            ray_tmp=ray_tmp,
-        )
-        _refused(
-            result,
-            2,
-            f"gym-ray run: error: output_dir '{out}' has {free / 2**20:.1f} MiB free on its file system; the "
-            f"run's materialized inputs need at least {8 * size / 2**20:.1f} MiB ({size / 1024:.1f} KiB of "
-            "input x 8 rollouts per row); free some space or pass an output_dir on a larger disk",
-            ray_tmp,
-        )
-        assert os.listdir(mount) == []
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
+    _refused(
+        result,
+        2,
+        f"gym-ray run: error: output_dir '{out}' has {free / 2**20:.1f} MiB free on its file system; the "
+        f"run's materialized inputs need at least {8 * size / 2**20:.1f} MiB ({size / 1024:.1f} KiB of "
+        "input x 8 rollouts per row); free some space or pass an output_dir on a larger disk",
+        ray_tmp,
+    )
+    assert os.listdir(mount) == []
 
 
-def test_a_disk_that_fills_while_planning_is_named_in_one_line(tmp_path: Path, ray_tmp: Path) -> None:
+def test_a_disk_that_fills_while_planning_is_named_in_one_line(
+    tmp_path: Path, ray_tmp: Path, small_mount: Path
+) -> None:
     """Past the estimate (input x repeats fits, the stamped rows do not): one line naming the path."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-    try:
-        config = _live_free_config(tmp_path)
-        rows = write_rows(tmp_path / "rows.jsonl", 850)
-        assert 8 * rows.stat().st_size < shutil.disk_usage(mount).free  # the preflight estimate passes
-        out = mount / "run"
-        args = ["run", str(config), f"+input_jsonl_fpath={rows}", f"+output_dir={out}", "+num_repeats=8"]
-        result = gym_ray([*args, "--local"], cwd=tmp_path, ray_tmp=ray_tmp)
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
+    mount = small_mount
+    config = _live_free_config(tmp_path)
+    rows = write_rows(tmp_path / "rows.jsonl", 850)
+    assert 8 * rows.stat().st_size < shutil.disk_usage(mount).free  # the preflight estimate passes
+    out = mount / "run"
+    args = ["run", str(config), f"+input_jsonl_fpath={rows}", f"+output_dir={out}", "+num_repeats=8"]
+    result = gym_ray([*args, "--local"], cwd=tmp_path, ray_tmp=ray_tmp)
     assert result.returncode == 1, result.stderr
     assert len(result.stderr.splitlines()) == 1, result.stderr
     pattern = (
