@@ -15,14 +15,21 @@ Order and deduplication (the merged files are what users consume, so each identi
 Each merged line is the shard's line byte for byte (plus ``\n`` when a last line had lost it); records
 are parsed only to check them and to read their top-level keys, never re-encoded.
 
-Memory is bounded by one shard (a unit of work), not by the run: each shard is sorted in memory into a
-temp file under ``<run_dir>/.merge-*``, then the sorted files are heap-merged as streams (in several
-passes when there are more than ``fan_in`` shards, to bound open files). Each temp line starts with an
-order-preserving text encoding of its sort key, so sorting and heap-merging compare plain bytes.
+Memory is bounded by one shard (a unit of work), not by the run. Two ways, same bytes and counts:
 
-Concurrency: the per-shard parse+sort is independent per shard. With at least two shards and more than
-``pool_min_bytes`` of shard data it runs in a ``spawn`` process pool of ``min(workers, shards)`` processes
-(each holds one shard at a time, so each is bounded by one shard too); otherwise in this process. The pool
+- No two shards share an identity (the usual run: planning gives each shard a contiguous block of tasks,
+  and retries and resumed attempts stay in their shard): each shard is read, ordered and kept on its own
+  into temp files under ``<run_dir>/.merge-*``, which are then concatenated in identity order. After the
+  shards, no line passes through Python again, so the merge scales with the processes sorting shards.
+- Otherwise each shard's ordered lines go to a temp file, each line prefixed with an order-preserving text
+  encoding of its sort key, and the files are heap-merged as streams (in several passes when there are
+  more than ``fan_in`` shards, to bound open files) before the keeping rule runs over the merged stream.
+  This way reads every shard a second time (the first way's pass showed they share identities).
+
+Concurrency: the per-shard work (read, order, and in the first way keep) is independent per shard. With
+at least two shards and more than ``pool_min_bytes`` of shard data it runs in a ``spawn`` process pool of
+``min(workers, shards)`` processes (each holds one shard at a time, so each is bounded by one shard too);
+otherwise in this process. The pool
 is owned by the call and shut down (its processes joined) before it returns or raises; only the
 interpreter-wide multiprocessing resource tracker, started on first use, outlives it. Either way the
 results are taken in shard order, so the output bytes, counts and the error raised (the first failing
@@ -44,20 +51,18 @@ import itertools
 import multiprocessing
 import os
 import re
-import stat
+import shutil
 import struct
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict
-from pydantic_core import from_json
 
-from gym_ray import keys
 from gym_ray.errors import ConfigError, InputError, RecordError
+from gym_ray.record._merge_shard import Entry, Tally, in_identity_order, keep_lines, read_shard, reduce_shard
 from gym_ray.record.atomic import atomic_writer
-from gym_ray.record.jsonl import parse_record
 from gym_ray.record.shard_files import list_shards, shard_paths
 
 if TYPE_CHECKING:
@@ -65,7 +70,7 @@ if TYPE_CHECKING:
 
 __all__ = ["POOL_MIN_BYTES", "MergeResult", "merge_shards"]
 
-_SUCCESS, _FAILURE = 0, 1
+_T = TypeVar("_T")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _READ_CHUNK = 1 << 20
 _RUN_BUFFER = 1 << 18
@@ -125,18 +130,6 @@ class MergeResult(BaseModel):
     duplicate_failures_dropped: int
     omitted_rows_skipped: int
     corrupt_lines: int
-
-
-class _Tally:
-    def __init__(self) -> None:
-        self.successes = 0
-        self.failures = 0
-        self.terminal = 0
-        self.duplicate_successes = 0
-        self.superseded_failures = 0
-        self.duplicate_failures = 0
-        self.omitted = 0
-        self.corrupt = 0
 
 
 def merge_shards(
@@ -210,7 +203,6 @@ def merge_shards(
         )
     successes_path = base / f"{output_prefix}.jsonl"
     failures_path = base / f"{output_prefix}_failures.jsonl"
-    width = _WIDTH
     try:
         with contextlib.ExitStack() as stack:
             pool: Executor | None = None
@@ -221,13 +213,7 @@ def merge_shards(
                         max_workers=processes, mp_context=multiprocessing.get_context("spawn")
                     )
                 )
-            while True:
-                try:
-                    tally = _merge(base, shards, successes_path, failures_path, fan_in, width, pool)
-                except _WidthExceeded as exc:
-                    width = max(exc.needed, 2 * width)
-                    continue
-                break
+            tally = _merge(base, shards, successes_path, failures_path, fan_in, pool)
     except OSError as exc:
         raise RecordError(
             f"merging the shards of {base} failed ({exc}); each merged file is its old or its new version "
@@ -277,18 +263,53 @@ def _merge(
     successes_path: Path,
     failures_path: Path,
     fan_in: int,
+    pool: Executor | None,
+) -> Tally:
+    """Merge by reducing each shard alone when no two shards share an identity, else by the general way."""
+    tally = Tally()
+    with tempfile.TemporaryDirectory(dir=base, prefix=".merge-") as tmp:
+        reduced = _each_shard(reduce_shard, base, shards, Path(tmp), pool)
+        kept = in_identity_order(reduced)
+        if kept is not None:
+            for part in reduced:
+                tally.add(part.tally)
+            with atomic_writer(successes_path) as out_ok, atomic_writer(failures_path) as out_failed:
+                for part in kept:
+                    _append_file(part.successes, out_ok)
+                    _append_file(part.failures, out_failed)
+            return tally
+    width = _WIDTH
+    while True:
+        try:
+            return _merge_sorted(base, shards, successes_path, failures_path, fan_in, width, pool)
+        except _WidthExceeded as exc:
+            width = max(exc.needed, 2 * width)
+
+
+def _append_file(path: Path, out: BinaryIO) -> None:
+    with path.open("rb") as source:
+        shutil.copyfileobj(source, out, _READ_CHUNK)
+
+
+def _merge_sorted(
+    base: Path,
+    shards: list[str],
+    successes_path: Path,
+    failures_path: Path,
+    fan_in: int,
     width: int,
     pool: Executor | None,
-) -> _Tally:
-    """One attempt at the merge with indices laid out in ``width`` hex digits.
+) -> Tally:
+    """The general merge, for shards that share identities: each shard's lines are sorted into a temp file
+    of key-prefixed lines (indices laid out in ``width`` hex digits), the files heap-merged, then kept.
 
     Raises:
         _WidthExceeded: Before any output is touched, when an index needs a wider layout.
     """
-    tally = _Tally()
+    tally = Tally()
     with tempfile.TemporaryDirectory(dir=base, prefix=".merge-") as tmp:
         runs: list[_Run] = []
-        for sorted_shard in _sort_shards(base, shards, Path(tmp), width, pool):
+        for sorted_shard in _each_shard(_sort_shard, base, shards, Path(tmp), pool, width):
             tally.corrupt += sorted_shard.corrupt
             tally.omitted += sorted_shard.omitted
             if sorted_shard.run is not None:
@@ -299,24 +320,23 @@ def _merge(
             atomic_writer(successes_path) as out_ok,
             atomic_writer(failures_path) as out_failed,
         ):
-            _write_merged(lines, out_ok, out_failed, tally, width)
+            keep_lines(_entries(lines, width), out_ok, out_failed, tally)
     return tally
 
 
-def _sort_shards(
-    base: Path, shards: list[str], tmp: Path, width: int, pool: Executor | None
-) -> list[_Sorted]:
-    """Each shard sorted into ``tmp`` (by ``pool``'s processes if given), in shard order.
+def _each_shard(
+    job: Callable[..., _T], base: Path, shards: list[str], tmp: Path, pool: Executor | None, *args: Any
+) -> list[_T]:
+    """``job(base, shard, number, tmp, *args)`` for each shard (by ``pool``'s processes if given), in shard
+    order.
 
     The first failing shard in shard order raises its error. Before this returns or raises, every
     shard job still queued is cancelled and every running one has finished, so none writes into ``tmp``
     after it is removed.
     """
     if pool is None:
-        return [_sort_shard(base, shard, number, tmp, width) for number, shard in enumerate(shards)]
-    futures = [
-        pool.submit(_sort_shard, base, shard, number, tmp, width) for number, shard in enumerate(shards)
-    ]
+        return [job(base, shard, number, tmp, *args) for number, shard in enumerate(shards)]
+    futures = [pool.submit(job, base, shard, number, tmp, *args) for number, shard in enumerate(shards)]
     try:
         return [future.result() for future in futures]
     finally:
@@ -331,7 +351,7 @@ def _hex_digits(value: int) -> int:
 
 
 def _sort_shard(base: Path, shard: str, number: int, tmp: Path, width: int) -> _Sorted:
-    """Sort one shard's successes and failures into a temp file of key-prefixed lines.
+    """Write one shard's lines, in merge order, to a temp file of key-prefixed lines.
 
     Runs in this process or in a pool process (its arguments and result are picklable).
 
@@ -340,85 +360,27 @@ def _sort_shard(base: Path, shard: str, number: int, tmp: Path, width: int) -> _
         _WidthExceeded: An index does not fit in ``width`` hex digits.
     """
     pack, hexlify = _KEY16.pack, binascii.hexlify
-    task_key, rollout_key, attempt_key = keys.TASK_INDEX, keys.ROLLOUT_INDEX, keys.ATTEMPT_INDEX
-    no_persist_key, terminal_key = keys.NO_PERSIST, keys.FAILURE_TERMINAL
-    narrow = width == _WIDTH
-    paths = shard_paths(base, shard)
-    entries: list[bytes] = []
-    append = entries.append
-    seq = corrupt = omitted = 0
-    for kind, path in ((_SUCCESS, paths.successes), (_FAILURE, paths.failures)):
-        is_failure = kind == _FAILURE
-        line_no = 0
-        for lines in _file_line_batches(path):
-            for raw in lines:
-                line_no += 1
-                # parse_record's verdict (the JsonlReader rule), faster for the usual line: pydantic-core's
-                # from_json (about twice as fast as json.loads) accepts no line that json.loads rejects
-                # (strict UTF-8, no control characters in strings, no trailing data; NaN/Infinity and
-                # repeated keys read alike) and reads the same values. Lines it rejects that json.loads
-                # accepts (lone surrogate escapes, nesting deeper than its limit) go to parse_record. A
-                # line starting with "{" that parses is an object. Not caching strings only saves time.
-                # tests/test_merge.py checks the equivalence on mutated lines.
-                if raw[:1] == b"{":
-                    try:
-                        record = from_json(raw, cache_strings=False)
-                    except ValueError:
-                        record = parse_record(raw)
-                elif raw.strip():
-                    record = parse_record(raw)
-                else:
-                    continue
-                if record is None:
-                    corrupt += 1
-                    continue
-                if is_failure and record.get(no_persist_key):
-                    omitted += 1
-                    continue
-                task = record.get(task_key)
-                rollout = record.get(rollout_key)
-                if type(task) is not int or type(rollout) is not int:
-                    raise InputError(
-                        f"{path}:{line_no}: record has no integer {task_key}/{rollout_key} (got {task!r}, "
-                        f"{rollout!r}), so it cannot be ordered or deduplicated; fix or remove that line "
-                        "and merge again",
-                        path=str(path),
-                        line=line_no,
-                    )
-                attempt = record.get(attempt_key)
-                if type(attempt) is not int:
-                    attempt = 0
-                terminal = is_failure and record.get(terminal_key) is True
-                seq += 1
-                if narrow:
-                    try:
-                        # struct.error exactly when an index is outside [-_OFFSET, _OFFSET).
-                        append(
-                            hexlify(
-                                pack(
-                                    task + _OFFSET,
-                                    rollout + _OFFSET,
-                                    kind,
-                                    attempt + _OFFSET,
-                                    number,
-                                    seq,
-                                    terminal,
-                                )
-                            )
-                            + raw
-                            + b"\n"
-                        )
-                        continue
-                    except struct.error:
-                        pass
-                append(_wide_key(task, rollout, kind, attempt, number, seq, terminal, width) + raw + b"\n")
-    if not entries:
-        return _Sorted(None, corrupt, omitted)
-    entries.sort()
+    lines = read_shard(base, shard)
+    keyed: list[bytes] = []
+    append = keyed.append
+    for task, rollout, kind, attempt, seq, terminal, raw in lines.entries:
+        if width == _WIDTH:
+            try:
+                # struct.error exactly when an index is outside [-_OFFSET, _OFFSET).
+                key = hexlify(
+                    pack(task + _OFFSET, rollout + _OFFSET, kind, attempt + _OFFSET, number, seq, terminal)
+                )
+                append(key + raw + b"\n")
+                continue
+            except struct.error:
+                pass
+        append(_wide_key(task, rollout, kind, attempt, number, seq, terminal, width) + raw + b"\n")
+    if not keyed:
+        return _Sorted(None, lines.corrupt, lines.omitted)
     out = tmp / f"shard-{number:06d}.sorted"
     with out.open("wb", buffering=_READ_CHUNK) as handle:
-        handle.writelines(entries)
-    return _Sorted(_Run(out, entries[0], entries[-1]), corrupt, omitted)
+        handle.writelines(keyed)
+    return _Sorted(_Run(out, keyed[0], keyed[-1]), lines.corrupt, lines.omitted)
 
 
 def _wide_key(
@@ -445,34 +407,6 @@ def _wide_key(
         seq,
         terminal,
     )
-
-
-def _file_line_batches(path: Path) -> Iterator[list[bytes]]:
-    """The lines (without their newline) of the bytes ``path`` has now, in batches, like ``JsonlReader``.
-
-    A missing file has no lines; a last line without ``\n`` is yielded as it is. Empty lines are kept, so
-    counting the lines gives their line numbers.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        st = os.fstat(fd)
-        remaining = st.st_size if stat.S_ISREG(st.st_mode) else 0
-        pending = b""
-        while remaining > 0:
-            chunk = os.read(fd, min(_READ_CHUNK, remaining))
-            if not chunk:
-                break
-            remaining -= len(chunk)
-            lines = (pending + chunk).split(b"\n")
-            pending = lines.pop()
-            yield lines
-        if pending:
-            yield [pending]
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -509,56 +443,21 @@ def _reduce_runs(runs: list[_Run], tmp: Path, fan_in: int) -> list[_Run]:
     return runs
 
 
-def _write_merged(
-    lines: Iterable[bytes], out_ok: BinaryIO, out_failed: BinaryIO, tally: _Tally, width: int
-) -> None:
-    """Write the kept lines of the merged temp ``lines`` (in key order) and count what is dropped."""
+def _entries(lines: Iterable[bytes], width: int) -> Iterator[Entry]:
+    """The merged temp ``lines`` as entries for ``keep_lines``: indices as their fixed-width hex text
+    (equal exactly when the indices are), the line without its key."""
     ident_end = 2 * width  # task + rollout
     kind_at = ident_end + 1  # low digit of the kind: "0" success, "1" failure
     attempt_end = ident_end + 2 + width
     terminal_at = attempt_end + _SHARD_SEQ_DIGITS + 1  # low digit of the terminal flag
     raw_start = terminal_at + 1
-    ok: list[bytes] = []
-    failed: list[bytes] = []
-    ok_append, failed_append = ok.append, failed.append
-    successes = failures = terminal = dup_successes = superseded = dup_failures = 0
-    # Temp lines start with hex digits, so no line starts with the first identity, b"\xff".
-    ident, last_attempt = b"\xff", b""
-    has_success = group_terminal = False
     for line in lines:
-        if not line.startswith(ident):
-            terminal += group_terminal
-            ident = line[:ident_end]
-            has_success = group_terminal = False
-            last_attempt = b""
-        if line[kind_at] == 48:
-            if has_success:
-                dup_successes += 1
-                continue
-            has_success = True
-            successes += 1
-            ok_append(line[raw_start:])
-            if len(ok) >= _WRITE_BATCH:
-                out_ok.write(b"".join(ok))
-                ok.clear()
-        elif has_success:
-            superseded += 1
-        elif (attempt := line[ident_end:attempt_end]) == last_attempt:
-            dup_failures += 1
-        else:
-            last_attempt = attempt
-            failures += 1
-            group_terminal = group_terminal or line[terminal_at] == 49
-            failed_append(line[raw_start:])
-            if len(failed) >= _WRITE_BATCH:
-                out_failed.write(b"".join(failed))
-                failed.clear()
-    terminal += group_terminal
-    out_ok.write(b"".join(ok))
-    out_failed.write(b"".join(failed))
-    tally.successes += successes
-    tally.failures += failures
-    tally.terminal += terminal
-    tally.duplicate_successes += dup_successes
-    tally.superseded_failures += superseded
-    tally.duplicate_failures += dup_failures
+        yield (
+            line[:width],
+            line[width:ident_end],
+            line[kind_at] - 48,
+            line[ident_end + 2 : attempt_end],
+            0,
+            line[terminal_at] == 49,
+            line[raw_start:-1],
+        )

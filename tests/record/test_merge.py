@@ -132,14 +132,49 @@ def _reference_merge(shards: list[list[dict[str, Any]]]) -> tuple[list[Any], lis
     return successes, failures
 
 
+def _reference_counts(shards: list[list[dict[str, Any]]]) -> dict[str, int]:
+    """The merge's counts, from the rules stated per identity (an oracle independent of the merge code)."""
+    by_identity: dict[tuple[int, int], list[tuple[int, int, bool]]] = {}
+    for records in shards:
+        for record in records:
+            if record.get(keys.NO_PERSIST):
+                continue
+            key = (record[keys.TASK_INDEX], record[keys.ROLLOUT_INDEX])
+            kind = 1 if keys.FAILURE_CLASS in record else 0
+            terminal = record.get(keys.FAILURE_TERMINAL) is True
+            by_identity.setdefault(key, []).append((kind, record.get(keys.ATTEMPT_INDEX, 0), terminal))
+    counts = dict.fromkeys(("successes", "failures", "terminal", "dup_ok", "superseded", "dup_failed"), 0)
+    for lines in by_identity.values():
+        ok = [line for line in lines if line[0] == 0]
+        failed = sorted((line for line in lines if line[0] == 1), key=lambda line: line[1])
+        if ok:
+            counts["successes"] += 1
+            counts["dup_ok"] += len(ok) - 1
+            counts["superseded"] += len(failed)
+            continue
+        first_per_attempt = {attempt: terminal for _, attempt, terminal in reversed(failed)}
+        counts["failures"] += len(first_per_attempt)
+        counts["dup_failed"] += len(failed) - len(first_per_attempt)
+        counts["terminal"] += any(first_per_attempt.values())
+    return counts
+
+
+@pytest.mark.parametrize("disjoint", [pytest.param(False, id="shared"), pytest.param(True, id="disjoint")])
 @pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed-{seed}") for seed in range(4)])
-def test_merge_matches_the_rules_on_random_runs(tmp_path: Path, seed: int) -> None:
+def test_merge_matches_the_rules_on_random_runs(tmp_path: Path, seed: int, disjoint: bool) -> None:
+    """Shards that share identities (the general merge) and shards that do not (each reduced alone)."""
     rng = random.Random(seed)
     shards: list[list[dict[str, Any]]] = []
     for shard_no in range(rng.randrange(1, 9)):
         records = []
         for line in range(rng.randrange(0, 40)):
             task, rollout, attempt = rng.randrange(12), rng.randrange(3), rng.randrange(3)
+            task += 12 * shard_no * disjoint
+            if rng.random() < 0.2:
+                records.append(
+                    fail(task, rollout, attempt, _ng_failure_terminal=True, src=f"{shard_no}:{line}")
+                )
+                continue
             tag = {"src": f"{shard_no}:{line}"}
             choice = rng.random()
             if choice < 0.5:
@@ -150,10 +185,19 @@ def test_merge_matches_the_rules_on_random_runs(tmp_path: Path, seed: int) -> No
                 records.append(rec(task, rollout, attempt, _ng_no_persist=True, **tag))
         shards.append(records)
         write_shard(tmp_path, f"shard-{shard_no:03d}", records)
-    merge_shards(tmp_path, fan_in=3)
+    result = merge_shards(tmp_path, fan_in=3)
     expected_successes, expected_failures = _reference_merge(shards)
     assert read(tmp_path / "rollouts.jsonl") == expected_successes
     assert read(tmp_path / "rollouts_failures.jsonl") == expected_failures
+    counts = (
+        result.successes,
+        result.failures,
+        result.terminal_failures,
+        result.duplicate_successes_dropped,
+        result.superseded_failures_dropped,
+        result.duplicate_failures_dropped,
+    )
+    assert counts == tuple(_reference_counts(shards).values())
 
 
 def test_merge_replaces_previous_output_and_honours_the_prefix(tmp_path: Path) -> None:
@@ -437,8 +481,9 @@ def test_process_pool_writes_the_same_bytes_and_counts_as_in_process(
 
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", CountingPool)
     pooled = merge_shards(tmp_path, fan_in=2, workers=2, pool_min_bytes=0)
-    # every shard sorted in the pool, once per pass (the wide indices restart the merge once)
-    assert sorted_in_pool == [*in_process.shards, *in_process.shards]
+    # every shard read in the pool once per pass: reduced alone, then (the shards share identities) sorted
+    # for the general merge, which the wide indices restart once
+    assert sorted_in_pool == [*in_process.shards, *in_process.shards, *in_process.shards]
     assert merged_bytes(tmp_path) == expected
     assert pooled == in_process
     assert (pooled.successes, pooled.failures, pooled.corrupt_lines, pooled.omitted_rows_skipped) == (
@@ -449,6 +494,34 @@ def test_process_pool_writes_the_same_bytes_and_counts_as_in_process(
     )
     assert multiprocessing.active_children() == []
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_shards_without_shared_identities_are_each_read_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usual run (each shard a block of tasks) is merged in one pass over the shards, not two."""
+    shards = [
+        [rec(t, r, src=f"{n}") for t in range(n * 10 + 9, n * 10 - 1, -1) for r in (1, 0)] for n in range(3)
+    ]
+    shards[1] += [fail(12, 0, 0, _ng_failure_terminal=True), fail(19, 1, 0), rec(15, 0, src="again")]
+    for number, records in enumerate(shards):
+        write_shard(tmp_path, f"s{number}", records)
+    read_in_pool: list[str] = []
+
+    class CountingPool(concurrent.futures.ProcessPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            read_in_pool.append(args[1])  # the shard label
+            return super().submit(fn, *args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", CountingPool)
+    result = merge_shards(tmp_path, workers=2, pool_min_bytes=0)
+    assert read_in_pool == ["s0", "s1", "s2"]
+    assert read(tmp_path / "rollouts.jsonl") == _reference_merge(shards)[0]
+    assert (result.successes, result.duplicate_successes_dropped, result.superseded_failures_dropped) == (
+        60,
+        1,
+        2,
+    )
 
 
 def test_error_in_a_pool_process_surfaces_like_in_process(tmp_path: Path) -> None:

@@ -1,0 +1,286 @@
+"""One shard's part of a merge: read and check its lines, order them, keep what the merge rules keep.
+
+``merge.py`` owns the whole merge; this module holds what it does per shard and per ordered stream of
+lines, so that the two ways it combines shards share one reading rule and one keeping rule:
+
+- **Disjoint shards** (the usual case: planning gives each shard a contiguous block of tasks, and a task's
+  rollouts, retries and resumed attempts stay in its shard): each shard is reduced on its own
+  (:func:`reduce_shard`, in a pool process or in the caller) to the lines it keeps, and the reduced files
+  are concatenated in identity order. No line is touched by Python after its shard is reduced.
+- **Shards sharing identities**: every shard's ordered lines are merged first, then kept (``merge.py``).
+
+Both apply :func:`keep_lines` to lines in ``(task, rollout, kind, attempt, shard, sequence)`` order, so a
+line kept (or dropped, and under which count) does not depend on the way taken.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import stat
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO, NamedTuple
+
+import orjson
+
+from gym_ray import keys
+from gym_ray.errors import InputError
+from gym_ray.record.jsonl import parse_record
+from gym_ray.record.shard_files import shard_paths
+
+SUCCESS, FAILURE = 0, 1
+_READ_CHUNK = 1 << 20
+_WRITE_BATCH = 4096
+
+#: One line of a shard as the merge orders it: ``(task, rollout, kind, attempt, sequence, terminal, raw)``.
+#: ``kind`` is SUCCESS or FAILURE, ``sequence`` the line's place in its shard (successes file first, so it
+#: is unique and decides every tie), ``terminal`` the failure's ``_ng_failure_terminal`` flag and ``raw``
+#: the line's bytes without their newline. Tuple order is merge order, since ``sequence`` is unique.
+Entry = tuple[Any, Any, int, Any, int, bool, bytes]
+
+
+class Tally:
+    """Counts of a merge (or of one shard's part of it); :meth:`add` sums parts."""
+
+    __slots__ = (
+        "corrupt",
+        "duplicate_failures",
+        "duplicate_successes",
+        "failures",
+        "omitted",
+        "successes",
+        "superseded_failures",
+        "terminal",
+    )
+
+    def __init__(self) -> None:
+        self.successes = 0
+        self.failures = 0
+        self.terminal = 0
+        self.duplicate_successes = 0
+        self.superseded_failures = 0
+        self.duplicate_failures = 0
+        self.omitted = 0
+        self.corrupt = 0
+
+    def __getstate__(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __setstate__(self, state: tuple[int, ...]) -> None:
+        for name, value in zip(self.__slots__, state, strict=True):
+            setattr(self, name, value)
+
+    def add(self, other: Tally) -> None:
+        """Add ``other``'s counts to these."""
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class ShardLines(NamedTuple):
+    """A shard's lines that take part in the merge, in merge order, and the lines it skipped."""
+
+    entries: list[Entry]
+    corrupt: int
+    omitted: int
+
+
+class Reduced(NamedTuple):
+    """One shard reduced on its own: the files of the lines it keeps and their identity range.
+
+    ``span`` is the smallest and the largest ``(task, rollout)`` among the shard's lines (None when it has
+    none); ``successes`` / ``failures`` are the kept lines (each ending in ``\\n``).
+    """
+
+    span: tuple[tuple[int, int], tuple[int, int]] | None
+    successes: Path
+    failures: Path
+    tally: Tally
+
+
+def read_shard(base: Path, shard: str) -> ShardLines:
+    """Read, check and order the lines of one shard's successes and failures files.
+
+    A line's verdict is ``parse_record``'s (the ``JsonlReader`` rule): a blank line is skipped, a line that
+    is not a JSON object is corrupt (counted), a failure line with ``_ng_no_persist`` is an omitted row
+    (counted, not an outcome). orjson reads the usual line: it accepts no line ``json.loads`` rejects and
+    reads the same values, except integers beyond 64 bits (a float there), so a line whose indices are not
+    all integers is read again with ``parse_record``; any line orjson refuses goes to ``parse_record`` too.
+    ``tests/record/test_merge.py`` checks the verdicts on mutated lines.
+
+    Raises:
+        InputError: A record has no integer task/rollout index (names file and line).
+    """
+    task_key, rollout_key, attempt_key = keys.TASK_INDEX, keys.ROLLOUT_INDEX, keys.ATTEMPT_INDEX
+    no_persist_key, terminal_key = keys.NO_PERSIST, keys.FAILURE_TERMINAL
+    loads, decode_error = orjson.loads, orjson.JSONDecodeError
+    paths = shard_paths(base, shard)
+    entries: list[Entry] = []
+    append = entries.append
+    seq = corrupt = omitted = 0
+    for kind, path in ((SUCCESS, paths.successes), (FAILURE, paths.failures)):
+        is_failure = kind == FAILURE
+        line_no = 0
+        for lines in file_line_batches(path):
+            for raw in lines:
+                line_no += 1
+                record: dict[str, Any] | None
+                if raw[:1] == b"{":
+                    try:
+                        record = loads(raw)
+                    except decode_error:
+                        record = parse_record(raw)
+                elif raw.strip():
+                    record = parse_record(raw)
+                else:
+                    continue
+                if record is None:
+                    corrupt += 1
+                    continue
+                if is_failure and record.get(no_persist_key):
+                    omitted += 1
+                    continue
+                task = record.get(task_key)
+                rollout = record.get(rollout_key)
+                attempt = record.get(attempt_key, 0)
+                if type(task) is not int or type(rollout) is not int or type(attempt) is not int:
+                    record = parse_record(raw) or record
+                    task, rollout, attempt = (record.get(k) for k in (task_key, rollout_key, attempt_key))
+                    if type(task) is not int or type(rollout) is not int:
+                        raise InputError(
+                            f"{path}:{line_no}: record has no integer {task_key}/{rollout_key} (got "
+                            f"{task!r}, {rollout!r}), so it cannot be ordered or deduplicated; fix or remove "
+                            "that line and merge again",
+                            path=str(path),
+                            line=line_no,
+                        )
+                    if type(attempt) is not int:
+                        attempt = 0
+                seq += 1
+                append(
+                    (task, rollout, kind, attempt, seq, is_failure and record.get(terminal_key) is True, raw)
+                )
+    entries.sort()
+    return ShardLines(entries, corrupt, omitted)
+
+
+def reduce_shard(base: Path, shard: str, number: int, tmp: Path) -> Reduced:
+    """Keep one shard's lines by the merge rules into two files in ``tmp`` (valid alone when no other
+    shard has lines of its identities).
+
+    Runs in this process or in a pool process (its arguments and result are picklable).
+
+    Raises:
+        InputError: A record has no integer task/rollout index (names file and line).
+    """
+    lines = read_shard(base, shard)
+    successes, failures = tmp / f"kept-{number:06d}.jsonl", tmp / f"kept-{number:06d}-failures.jsonl"
+    tally = Tally()
+    with (
+        successes.open("wb", buffering=_READ_CHUNK) as out_ok,
+        failures.open("wb", buffering=_READ_CHUNK) as out,
+    ):
+        keep_lines(lines.entries, out_ok, out, tally)
+    tally.corrupt, tally.omitted = lines.corrupt, lines.omitted
+    if not lines.entries:
+        return Reduced(None, successes, failures, tally)
+    first, last = lines.entries[0], lines.entries[-1]
+    return Reduced(((first[0], first[1]), (last[0], last[1])), successes, failures, tally)
+
+
+def in_identity_order(parts: Iterable[Reduced]) -> list[Reduced] | None:
+    """The parts with lines, ordered by identity, when no two of them can share an identity; else None.
+
+    Two parts cannot share one when their spans do not overlap; then concatenating their kept lines in
+    this order gives the order and the counts a merge of all their lines would.
+    """
+    spans = sorted(
+        ((part.span, part) for part in parts if part.span is not None), key=lambda pair: pair[0][0]
+    )
+    if any(before[0][1] >= after[0][0] for before, after in itertools.pairwise(spans)):
+        return None
+    return [part for _, part in spans]
+
+
+def keep_lines(entries: Iterable[Entry], out_ok: BinaryIO, out_failed: BinaryIO, tally: Tally) -> None:
+    """Write the kept lines of ``entries`` (in merge order), each ending in ``\\n``, and count the rest.
+
+    Per identity ``(task, rollout)``: the first success is kept and later ones are duplicates; without a
+    success, each failure attempt is kept once (a repeated attempt is a duplicate) and the identity counts
+    as terminal when a kept failure is; with a success, every failure is superseded. Only equality of the
+    task, rollout and attempt fields is used, so they may be ints or any equal-comparable encoding.
+    """
+    ok: list[bytes] = []
+    failed: list[bytes] = []
+    successes = failures = terminal = dup_successes = superseded = dup_failures = 0
+    task: Any = object()
+    rollout: Any = None
+    last_attempt: Any = None
+    has_success = group_terminal = False
+    for entry in entries:
+        if entry[0] != task or entry[1] != rollout:
+            terminal += group_terminal
+            task, rollout = entry[0], entry[1]
+            has_success = group_terminal = False
+            last_attempt = None
+        if entry[2] == SUCCESS:
+            if has_success:
+                dup_successes += 1
+                continue
+            has_success = True
+            successes += 1
+            ok.append(entry[6])
+            if len(ok) >= _WRITE_BATCH:
+                out_ok.write(b"\n".join(ok) + b"\n")
+                ok.clear()
+        elif has_success:
+            superseded += 1
+        elif entry[3] == last_attempt:
+            dup_failures += 1
+        else:
+            last_attempt = entry[3]
+            failures += 1
+            group_terminal = group_terminal or entry[5]
+            failed.append(entry[6])
+            if len(failed) >= _WRITE_BATCH:
+                out_failed.write(b"\n".join(failed) + b"\n")
+                failed.clear()
+    terminal += group_terminal
+    if ok:
+        out_ok.write(b"\n".join(ok) + b"\n")
+    if failed:
+        out_failed.write(b"\n".join(failed) + b"\n")
+    tally.successes += successes
+    tally.failures += failures
+    tally.terminal += terminal
+    tally.duplicate_successes += dup_successes
+    tally.superseded_failures += superseded
+    tally.duplicate_failures += dup_failures
+
+
+def file_line_batches(path: Path) -> Iterator[list[bytes]]:
+    """The lines (without their newline) of the bytes ``path`` has now, in batches, like ``JsonlReader``.
+
+    A missing file has no lines; a last line without ``\\n`` is yielded as it is. Empty lines are kept, so
+    counting the lines gives their line numbers.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        st = os.fstat(fd)
+        remaining = st.st_size if stat.S_ISREG(st.st_mode) else 0
+        pending = b""
+        while remaining > 0:
+            chunk = os.read(fd, min(_READ_CHUNK, remaining))
+            if not chunk:
+                break
+            remaining -= len(chunk)
+            lines = (pending + chunk).split(b"\n")
+            pending = lines.pop()
+            yield lines
+        if pending:
+            yield [pending]
+    finally:
+        os.close(fd)
