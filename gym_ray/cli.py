@@ -17,6 +17,7 @@ Exit statuses (:data:`EXIT_STATUSES`, also in README.md and ``gym-ray run --help
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import re
@@ -141,15 +142,47 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="+", help="YAML config file(s), then key=value overrides")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """argparse with a did-you-mean for a misspelt choice (a command, a bench scenario, ...) or option."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def refuse_unknown(self, command: str | None, extras: list[str]) -> None:
+        """Exit 2 naming the first argument no parser took, by the command's parser, with a did-you-mean."""
+        target = self.commands.get(command or "", self)
+        options = [option for action in target._actions for option in action.option_strings]
+        first = extras[0]
+        close = difflib.get_close_matches(first.split("=", 1)[0], options, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else f" (options: {', '.join(sorted(options))})"
+        more = f" (and {len(extras) - 1} more after it)" if len(extras) > 1 else ""
+        target.error(f"unrecognized argument {first!r}{more}{hint}")
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        choices = action.choices
+        if choices is not None and isinstance(value, str) and value not in choices:
+            names = [str(choice) for choice in choices]
+            close = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise argparse.ArgumentError(
+                action, f"invalid choice: {value!r}{hint} (choose from {', '.join(names)})"
+            )
+        super()._check_value(action, value)
+
+
+def build_parser() -> _Parser:
+    from gym_ray import __version__
+
+    parser = _Parser(
         prog="gym-ray",
         description="Collect rollouts from NeMo Gym-style environment servers at cluster scale on Ray.",
     )
+    parser.add_argument("--version", action="version", version=f"gym-ray {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = {}
     for name, (help_text, target) in COMMANDS.items():
         suffix = "" if target else " (not built yet)"
         cmd = sub.add_parser(name, help=help_text + suffix, description=help_text + suffix)
+        parser.commands[name] = cmd
         add = _ARGUMENTS.get(name)
         if add is not None:
             add(cmd)
@@ -161,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gym-ray`` console script. Returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        parser.refuse_unknown(args.command, extras)
     if args.command is None:
         parser.print_help()
         return 2

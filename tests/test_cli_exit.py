@@ -56,3 +56,49 @@ def test_the_error_line_is_the_remote_cause_without_colour_codes() -> None:
     assert cli.error_line("run", cli._unwrap(WrappedByRay(cause))) == (
         "gym-ray run: RecordError: cannot write runs/r1/rollouts.jsonl: no space left"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        pytest.param(
+            ["stauts", "runs/r1"],
+            "gym-ray: error: argument COMMAND: invalid choice: 'stauts'; did you mean 'status'? (choose from "
+            "run, submit, serve, status, aggregate, demo, bench)",
+            id="command",
+        ),
+        pytest.param(
+            ["bench", "pipline"],
+            "gym-ray bench: error: argument scenario: invalid choice: 'pipline'; did you mean 'pipeline'? "
+            "(choose from dispatch, record, ray, tracing, memory, latency, merge, collect-memory, "
+            "plan-memory, ray-vs-local, chaos, pipeline)",
+            id="scenario",
+        ),
+        pytest.param(
+            ["run", "--wrokers", "2", "config.yaml"],
+            "gym-ray run: error: unrecognized argument '--wrokers'; did you mean '--workers'?",
+            id="option",
+        ),
+        pytest.param(
+            ["status", "runs/r1", "--zzz", "--yyy"],
+            "gym-ray status: error: unrecognized argument '--zzz' (and 1 more after it) (options: --help, "
+            "--json, -h)",
+            id="no-close-option",
+        ),
+    ],
+)
+def test_a_misspelt_command_scenario_or_option_exits_2_with_one_did_you_mean_line(
+    argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing runs; the last stderr line names what was not understood and the closest right spelling."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == line
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == "gym-ray 0.1.0\n"
