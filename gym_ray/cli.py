@@ -142,7 +142,7 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="+", help="YAML config file(s), then key=value overrides")
 
 
-class _Parser(argparse.ArgumentParser):
+class CommandParser(argparse.ArgumentParser):
     """argparse with a did-you-mean for a misspelt choice (a command, a bench scenario, ...) or option."""
 
     commands: dict[str, argparse.ArgumentParser]
@@ -169,10 +169,10 @@ class _Parser(argparse.ArgumentParser):
         super()._check_value(action, value)
 
 
-def build_parser() -> _Parser:
+def build_parser() -> CommandParser:
     from gym_ray import __version__
 
-    parser = _Parser(
+    parser = CommandParser(
         prog="gym-ray",
         description="Collect rollouts from NeMo Gym-style environment servers at cluster scale on Ray.",
     )

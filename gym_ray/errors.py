@@ -45,6 +45,17 @@ class GymRayError(Exception):
         return (_rebuild, (type(self), self.args, self.__dict__))
 
 
+def validation_problems(exc: Any) -> str:
+    """A pydantic ``ValidationError``'s problems on one line: ``where: message; ...``.
+
+    ``where`` is the dotted location of each problem (``<body>`` for the value itself). Error messages quote
+    this instead of ``str(exc)``, which spans several lines.
+    """
+    return "; ".join(
+        f"{'.'.join(str(part) for part in err['loc']) or '<body>'}: {err['msg']}" for err in exc.errors()
+    )
+
+
 def _rebuild(cls: type[GymRayError], args: tuple[Any, ...], state: dict[str, Any]) -> GymRayError:
     exc = cls.__new__(cls)
     Exception.__init__(exc, *args)

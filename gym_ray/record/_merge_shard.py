@@ -43,17 +43,6 @@ Entry = tuple[Any, Any, int, Any, int, bool, bytes]
 class Tally:
     """Counts of a merge (or of one shard's part of it); :meth:`add` sums parts."""
 
-    __slots__ = (
-        "corrupt",
-        "duplicate_failures",
-        "duplicate_successes",
-        "failures",
-        "omitted",
-        "successes",
-        "superseded_failures",
-        "terminal",
-    )
-
     def __init__(self) -> None:
         self.successes = 0
         self.failures = 0
@@ -64,17 +53,10 @@ class Tally:
         self.omitted = 0
         self.corrupt = 0
 
-    def __getstate__(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name) for name in self.__slots__)
-
-    def __setstate__(self, state: tuple[int, ...]) -> None:
-        for name, value in zip(self.__slots__, state, strict=True):
-            setattr(self, name, value)
-
     def add(self, other: Tally) -> None:
         """Add ``other``'s counts to these."""
-        for name in self.__slots__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name, value in vars(other).items():
+            setattr(self, name, getattr(self, name) + value)
 
 
 class ShardLines(NamedTuple):

@@ -56,6 +56,7 @@ from gym_ray.errors import (
     RunRejectedError,
     ServerResponseError,
     UsageError,
+    validation_problems,
 )
 from gym_ray.record._aggregate_spool import (
     STREAMED_REPLY_KEYS,
@@ -196,11 +197,8 @@ def _validate_reply(server: str, parts: ReplyParts) -> AggregateMetricsReply:
     try:
         validated = AggregateMetricsReply.model_validate(reply)
     except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<body>'}: {err['msg']}" for err in exc.errors()
-        )
         raise ServerResponseError(
-            f"{_what(server)} that is not AggregateMetrics ({problems}); {_SHAPE_HINT}",
+            f"{_what(server)} that is not AggregateMetrics ({validation_problems(exc)}); {_SHAPE_HINT}",
             body_excerpt=parts.excerpt,
         ) from exc
     try:

@@ -14,10 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 
+import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from gym_ray import keys
-from gym_ray.errors import InputError
+from gym_ray.errors import InputError, validation_problems
 from gym_ray.record.jsonl import JsonlReader
 from gym_ray.record.shard_files import (
     Identity,
@@ -226,6 +227,12 @@ def read_manifest(run_dir: str | os.PathLike[str], shard: str) -> ShardManifest 
         return None
     try:
         return ShardManifest.model_validate_json(data)
+    except pydantic.ValidationError as exc:
+        raise InputError(
+            f"{path}: not a valid shard manifest ({validation_problems(exc)}); restore it, or remove it to "
+            "resume without verifying the inputs",
+            path=str(path),
+        ) from exc
     except ValueError as exc:
         raise InputError(
             f"{path}: not a valid shard manifest ({exc}); restore it, or remove it to resume without "

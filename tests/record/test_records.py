@@ -558,6 +558,20 @@ def test_corrupt_manifest_names_the_file(tmp_path: Path) -> None:
         read_manifest(tmp_path, "s0")
 
 
+def test_a_manifest_of_the_wrong_shape_is_one_line_naming_each_problem(tmp_path: Path) -> None:
+    path = shard_paths(tmp_path, "s0").manifest
+    path.write_text('{"shard": 3, "run_id": "r", "num_rows": "many"}')
+    with pytest.raises(InputError) as raised:
+        read_manifest(tmp_path, "s0")
+    assert str(raised.value) == (
+        f"{path}: not a valid shard manifest (shard: Input should be a valid string; config_identity: Field "
+        "required; inputs_digest: Field required; num_rows: Input should be a valid integer, unable to parse "
+        "string as an integer; max_rollout_attempts: Field required; created_at: Field required; "
+        "gym_ray_version: Field required; attempt_plan: Field required); restore it, or remove it to resume "
+        "without verifying the inputs"
+    )
+
+
 def test_random_garbage_files_never_crash_open(tmp_path: Path) -> None:
     rng = random.Random(7)
     paths = shard_paths(tmp_path, "s0")
