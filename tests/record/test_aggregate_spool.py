@@ -6,6 +6,7 @@ Expected bytes come from the stdlib ``json`` module (an independent encoder) or 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from gym_ray.config.topology import Topology
-from gym_ray.errors import GymRayError, RecordError, ServerResponseError, ValidationError
+from gym_ray.errors import GymRayError, InternalError, RecordError, ServerResponseError, ValidationError
 from gym_ray.plan.rows import MAX_LISTED_ROWS
 from gym_ray.record._aggregate_spool import (
     STOP_CHECK_ROWS,
@@ -418,3 +419,48 @@ def test_a_fragment_is_copied_in_chunks_of_a_mebibyte(tmp_path: Path) -> None:
     write_metrics_atomic(path, [{"group_level_metrics": Fragment(fragment, len(elements)), "n": 1}], stop)
     assert path.read_text() == json.dumps([{"group_level_metrics": elements, "n": 1}], indent=2) + "\n"
     assert stop.looks == 1 + chunks + 1  # the flush before the copy, each chunk, the last flush
+
+
+def test_only_persisted_successes_are_grouped(tmp_path: Path) -> None:
+    rows = [
+        _stamped(0, _ng_task_index=0, _ng_rollout_index=0, _ng_no_persist=True),  # omitted, no failure class
+        _stamped(1, _ng_task_index=1, _ng_rollout_index=0, _ng_failure_class="agent_run_error"),
+        _stamped(2, _ng_task_index=2, _ng_rollout_index=0, _ng_failure_class=""),  # a class, even empty
+        _stamped(3, _ng_task_index=3, _ng_rollout_index=0, _ng_no_persist=False, _ng_failure_class=None),
+    ]
+    spools = ServerSpools(tmp_path / "new" / "folder")  # created, parents included, on the first line
+    grouping = group_results(rows, _topology(), spools, threading.Event())
+    assert grouping.counts == {"env_a": 1}
+    assert spools.write_body("env_a", threading.Event()).read_bytes() == _compact([rows[3]])
+    spools.remove()
+    assert os.listdir(tmp_path / "new" / "folder") == []
+
+
+def test_adding_after_finish_is_an_internal_error_naming_the_server(tmp_path: Path) -> None:
+    spools = _spools(tmp_path, [((0, 0), {"a": 1})])
+    with pytest.raises(InternalError) as caught:
+        spools.add("env", (0, 1), {"a": 2})
+    assert str(caught.value) == "aggregation spool of 'env': add() after finish()"
+    spools.remove()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device whose writes fail)")
+def test_remove_logs_a_spool_it_cannot_close_and_still_removes_the_folder(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spools, folder = _full_spool(tmp_path)
+    spools.add("second", (0, 0), {"b": 2})  # buffered: closing it fails
+    with caplog.at_level(logging.WARNING, logger="gym_ray.record.aggregate"):
+        spools.remove()
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        (
+            "gym_ray.record.aggregate",
+            logging.WARNING,
+            f"cannot close the aggregation spool {folder / '2-spool.jsonl'}",
+        )
+    ]
+    assert caplog.records[0].exc_info is not None
+    assert os.listdir(tmp_path) == []
+    assert spools.folder is None
+    spools.remove()  # a second remove has nothing left to do
+    assert len(caplog.records) == 1
