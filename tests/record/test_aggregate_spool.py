@@ -5,6 +5,9 @@ Expected bytes come from the stdlib ``json`` module (an independent encoder) or 
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import gc
 import json
 import logging
 import os
@@ -23,10 +26,11 @@ from gym_ray.record._aggregate_spool import (
     ServerSpools,
     Stopped,
     group_results,
+    run_joined,
     write_metrics_atomic,
 )
 from gym_ray.record.json_stream import EXCERPT_BYTES
-from tests.record.test_aggregate import _base_config
+from tests.record.test_aggregate import _agent, _base_config
 
 
 class _StopAfterFirstLook(threading.Event):
@@ -459,8 +463,101 @@ def test_remove_logs_a_spool_it_cannot_close_and_still_removes_the_folder(
             f"cannot close the aggregation spool {folder / '2-spool.jsonl'}",
         )
     ]
-    assert caplog.records[0].exc_info is not None
+    exc_info = caplog.records[0].exc_info
+    assert exc_info is not None
+    assert isinstance(exc_info[1], OSError)
+    assert exc_info[1].errno == errno.ENOSPC
     assert os.listdir(tmp_path) == []
     assert spools.folder is None
     spools.remove()  # a second remove has nothing left to do
     assert len(caplog.records) == 1
+
+
+def test_remove_logs_a_folder_it_cannot_delete(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    spools = _spools(tmp_path, [((0, 0), {"a": 1})])
+    folder = spools.folder
+    assert folder is not None
+    folder.rename(tmp_path / "moved")
+    folder.symlink_to(tmp_path / "moved")  # rmtree refuses a symbolic link (even for root)
+    with caplog.at_level(logging.WARNING, logger="gym_ray.record.aggregate"):
+        spools.remove()
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, f"cannot remove the aggregation spool folder {folder}")
+    ]
+    exc_info = caplog.records[0].exc_info
+    assert exc_info is not None
+    assert isinstance(exc_info[1], OSError)
+    assert spools.folder is None
+
+
+def test_a_spool_folder_that_cannot_be_created_names_its_parent(tmp_path: Path) -> None:
+    parent = tmp_path / "taken"
+    parent.write_text("a file, not a folder")
+    spools = ServerSpools(parent)
+    with pytest.raises(RecordError) as caught:
+        spools.add("env", (0, 0), {"a": 1})
+    assert str(caught.value) == _spool_error(parent, "write", f"[Errno 17] File exists: '{parent}'")
+    assert spools.folder is None
+
+
+def test_a_row_that_cannot_be_encoded_drops_its_servers_spool_at_once(tmp_path: Path) -> None:
+    rows = [
+        _stamped(0, _ng_task_index=0, _ng_rollout_index=0),
+        {**_stamped(1, _ng_task_index=0, _ng_rollout_index=1), "_ng_environment_server": "env_b"},
+        _stamped(2, _ng_task_index=1, _ng_rollout_index=0, blob={1, 2}),  # a set is not JSON
+        _stamped(3, _ng_task_index=2, _ng_rollout_index=0),
+    ]
+    spools = ServerSpools(tmp_path)
+    grouping = group_results(rows, _topology(), spools, threading.Event())
+    assert grouping.counts == {"env_a": 3, "env_b": 1}
+    assert list(grouping.errors) == ["env_a"]
+    folder = spools.folder
+    assert folder is not None
+    assert os.listdir(folder) == ["2-spool.jsonl"]  # env_a's spool (1) is gone, env_b's stays
+    spools.remove()
+
+
+def test_an_unstamped_row_goes_to_its_agents_front_even_in_legacy_mode(tmp_path: Path) -> None:
+    # aggregate_metrics' contract: a result without a stamp is attributed to the server fronting its agent
+    cfg = {**_base_config(), "environment_routing_mode": "legacy", "environment_server_name": "env_a"}
+    rows = [{"reward": 1.0, "agent_ref": {"name": "ag2"}, "_ng_task_index": 0, "_ng_rollout_index": 0}]
+    spools = ServerSpools(tmp_path)
+    grouping = group_results(rows, Topology.from_config(cfg), spools, threading.Event())
+    assert (grouping.counts, grouping.first_agent) == ({"env_c": 1}, {"env_c": "ag2"})
+    spools.remove()
+
+
+def test_without_environment_servers_an_agent_is_its_own_server(tmp_path: Path) -> None:
+    topology = Topology.from_config({"ag1": _agent("ag1"), "ag2": _agent("ag2")})
+    rows = [
+        {"reward": 1.0, "_ng_environment_server": "ag2", "_ng_task_index": 0, "_ng_rollout_index": 0},
+        {"reward": 0.0, "agent_ref": {"name": "ag1"}, "_ng_task_index": 1, "_ng_rollout_index": 0},
+    ]
+    spools = ServerSpools(tmp_path)
+    grouping = group_results(rows, topology, spools, threading.Event())
+    assert (grouping.counts, grouping.first_agent) == ({"ag2": 1, "ag1": 1}, {"ag2": None, "ag1": "ag1"})
+    spools.remove()
+
+
+async def test_a_cancelled_caller_retrieves_the_works_exception(tmp_path: Path) -> None:
+    unretrieved: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+    started = threading.Event()
+
+    def work(stop: threading.Event) -> None:
+        started.set()
+        if stop.wait(60):
+            raise Stopped
+
+    try:
+        task = asyncio.create_task(run_joined(work))
+        assert await asyncio.to_thread(started.wait, 60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del task
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert unretrieved == []  # no "Future exception was never retrieved"
