@@ -50,7 +50,11 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/record/test_contracts.py::test_ledger_counts_every_extra_line_of_triplicates_and_several_"
         "duplicated_identities",
     ),
-    "plan/resume.py": ("tests/plan/test_resume.py", "tests/plan/test_resume_messages.py"),
+    "plan/resume.py": (
+        "tests/plan/test_resume.py",
+        "tests/plan/test_resume_messages.py",
+        "tests/plan/test_resume_counts.py",
+    ),
     "record/merge.py": (
         "tests/record/test_merge.py",
         # 400 merges (5 s) covering every function: it pins the fast parser's verdicts, which the crafted
@@ -75,6 +79,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "plan/validation.py": (
         "tests/plan/test_preprocess_validation.py",
         "tests/plan/test_validation_messages.py",
+        "tests/plan/test_validation_contract.py",
         "tests/dispatch/test_contracts.py",
     ),
     "record/aggregate.py": (

@@ -269,6 +269,21 @@ TRIAGED: dict[str, dict[str, str]] = {
             "x__merged_file__mutmut_8",
         ),
     },
+    "plan/resume.py": {
+        **_same(
+            "iter_pending reads the inputs only when their (size, mtime_ns) stamp is the one planned, and "
+            "planning read them strictly, so a lenient reader meets no corrupt line",
+            *(f"xǁResumePlanǁiter_pending__mutmut_{n}" for n in (7, 9, 10)),
+        ),
+        **_same(_NONE_FALSE, "xǁResumePlanǁiter_pending__mutmut_21", "xǁResumePlanǁiter_pending__mutmut_23"),
+    },
+    "plan/validation.py": {
+        **_same(
+            "an entry kept without a taskset (key None) is never looked up, and one with a taskset but no "
+            "allowed_agents (the config turns an empty list into None) adds a check that accepts every type",
+            "xǁ_Validatorǁ__init____mutmut_11",
+        ),
+    },
     "record/_aggregate_spool.py": {
         **_same(
             "a spool line's key prefix holds no whitespace but its two single spaces and the JSON text "

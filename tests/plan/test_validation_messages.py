@@ -39,6 +39,12 @@ _ENV_TOOL = _server(
     assistant=_agent("tool_agent"),
     resources_server=_rs("math"),
 )
+# An agent declaring a taskset (routed to env_math) that only hermes_agent may run.
+_DECLARER = _server(
+    AGENTS,
+    "simple_agent",
+    datasets=[{"name": "plain", "taskset": "plain:x", "allowed_agents": ["hermes_agent"]}],
+)
 # No environment servers at all.
 _NO_ENVS = {
     "math": _server(RS, "math_with_judge"),
@@ -92,6 +98,43 @@ CASES: dict[str, tuple[list[Any], Topology, type[Exception], str | None, str]] =
         "Rows disagree with the running config:\n"
         "  - unsupported pairing: rows run agent 'tool_agent' (type 'tool_agent'), but the resources server "
         f"'math' of environment server 'env_tool' accepts only: simple_agent [row 0]\n{_DISAGREE_TAIL}",
+    ),
+    "agent-not-fronted-by-its-stamped-server": (
+        [named("math_simple_agent", _ng_environment_server="env_sim")],
+        TOPOLOGY,
+        RoutingError,
+        "environment_server_routes",
+        "Rows cannot be routed to their environment server:\n"
+        "  - agent 'math_simple_agent' is not fronted by its environment server 'env_sim', which fronts: "
+        f"pinned_a, pinned_b [row 0]\n{_ROUTING_TAIL}",
+    ),
+    "row-without-agent-or-stamp": (
+        [flat("q", _ng_task_index=2, _ng_rollout_index=0)],
+        TOPOLOGY,
+        ValidationError,
+        None,
+        "Rows disagree with the running config:\n"
+        "  - unknown agent: the row has no agent_ref and no environment server stamp; resolve its "
+        f"task_source or preprocess it with agent_map [row 0 (task 2, rollout 0)]\n{_DISAGREE_TAIL}",
+    ),
+    "pairing-refused-by-the-taskset-entry-of-another-agent": (
+        [task_row("plain:x", "t1")],
+        Topology.from_config(
+            config(
+                environment_server_routes={
+                    "sim:val": "env_sim",
+                    "harbor:test": "env_harbor",
+                    "plain:x": "env_math",
+                },
+                declarer=_DECLARER,
+            )
+        ),
+        ValidationError,
+        None,
+        "Rows disagree with the running config:\n"
+        "  - unsupported pairing: rows run agent 'math_simple_agent' (type 'simple_agent'), but dataset "
+        "entry 'plain' declared by 'declarer' accepts only: hermes_agent [row 0 (task_id plain:x/t1)]\n"
+        + _DISAGREE_TAIL,
     ),
     "agent-without-a-unique-front": (
         [named("dual_agent")],
