@@ -269,6 +269,75 @@ TRIAGED: dict[str, dict[str, str]] = {
             "x__merged_file__mutmut_8",
         ),
     },
+    "plan/resume.py": {
+        **_same(
+            "iter_pending reads the inputs only when their (size, mtime_ns) stamp is the one planned, and "
+            "planning read them strictly, so a lenient reader meets no corrupt line",
+            *(f"xǁResumePlanǁiter_pending__mutmut_{n}" for n in (7, 9, 10)),
+        ),
+        **_same(_NONE_FALSE, "xǁResumePlanǁiter_pending__mutmut_21", "xǁResumePlanǁiter_pending__mutmut_23"),
+    },
+    "plan/validation.py": {
+        **_same(
+            "an entry kept without a taskset (key None) is never looked up, and one with a taskset but no "
+            "allowed_agents (the config turns an empty list into None) adds a check that accepts every type",
+            "xǁ_Validatorǁ__init____mutmut_11",
+        ),
+    },
+    "record/_aggregate_spool.py": {
+        **_same(
+            "a spool line's key prefix holds no whitespace but its two single spaces and the JSON text "
+            "starts with '{', so splitting on any whitespace gives the same three parts",
+            "x__sorted_lines__mutmut_3",
+            "xǁServerSpoolsǁwrite_body__mutmut_30",
+        ),
+        **_same(
+            "the compact JSON text of an object ends with '}', so stripping any whitespace (or 'X') from "
+            "its right strips only the line's newline",
+            "xǁServerSpoolsǁwrite_body__mutmut_28",
+            "xǁServerSpoolsǁwrite_body__mutmut_38",
+        ),
+        **_same(
+            "an in-order spool sorted anyway (or a spool with equal keys marked unordered) gives the same "
+            "bytes: the sort is stable and the lines already are in key order; only memory differs",
+            "xǁServerSpoolsǁwrite_body__mutmut_19",
+            "xǁServerSpoolsǁadd__mutmut_43",
+            "xǁServerSpoolsǁadd__mutmut_44",
+            "xǁ_Spoolǁ__init____mutmut_5",
+            "xǁ_Spoolǁ__init____mutmut_6",
+        ),
+        **_same(
+            "the buffer size of a file object: the same bytes reach the file",
+            "xǁServerSpoolsǁwrite_body__mutmut_6",
+            "xǁServerSpoolsǁwrite_body__mutmut_12",
+            "xǁServerSpoolsǁadd__mutmut_29",
+            "xǁ_FragmentWriterǁ__call____mutmut_19",
+        ),
+        **_same(
+            "'utf-8' is bytes.decode's and str.encode's default, and codec names are case-insensitive",
+            "xǁServerSpoolsǁread_reply__mutmut_27",
+            "xǁServerSpoolsǁread_reply__mutmut_31",
+            "xǁ_Chunksǁflush__mutmut_6",
+        ),
+        **_same(
+            "the reply's decoding chunk size (iter_object's default 1 MiB instead of 256 KiB): same members "
+            "and fragments, only the reader's buffer differs",
+            "xǁServerSpoolsǁread_reply__mutmut_44",
+        ),
+        **_same(
+            "the metrics writer's flush point moves by one character (a size starting at 1, or '>' for "
+            "'>='): the same bytes, in chunks one character apart",
+            "xǁ_Chunksǁ__init____mutmut_4",
+            "xǁ_Chunksǁflush__mutmut_8",
+            "xǁ_Chunksǁwrite__mutmut_4",
+        ),
+        **_same(_NONE_FALSE, "xǁ_FragmentWriterǁ__init____mutmut_5"),
+        **_same(
+            "asyncio.shield already marks the inner future's exception retrieved when the outer one is "
+            "cancelled, so the explicit retrieval is redundant (tested: no 'exception was never retrieved')",
+            "x_run_joined__mutmut_10",
+        ),
+    },
     "distributed/driver.py": {
         **_same("specs is assigned before it is read", "xǁShardDriverǁ_plan_loop__mutmut_2"),
     },

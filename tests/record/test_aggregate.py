@@ -867,14 +867,20 @@ async def test_cancel_during_the_request_removes_the_spool_folder(tmp_path: Path
         async with ServerClient(topology, connect_retries=0, max_request_retries=0) as client:
             rows = [_result(t, 0, 1.0, agent=None, server="env_rec") for t in range(3)]
             task = asyncio.create_task(aggregate_metrics(rows, topology, client, output_path=output))
-            await recorder.entered.wait()
-            [spool_folder] = os.listdir(output.parent)
-            assert spool_folder.startswith(".aggregate-")
-            assert os.listdir(output.parent / spool_folder) == ["1-body.json"]
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            recorder.release.set()
+            entered = asyncio.create_task(recorder.entered.wait())
+            try:
+                # the call ending (or stalling) before its request arrives fails here, not at a timeout
+                await asyncio.wait({task, entered}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+                assert entered.done(), "aggregate_metrics ended or stalled before sending its request"
+                [spool_folder] = os.listdir(output.parent)
+                assert spool_folder.startswith(".aggregate-")
+                assert os.listdir(output.parent / spool_folder) == ["1-body.json"]
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                entered.cancel()
+                recorder.release.set()
     assert os.listdir(output.parent) == []
 
 
@@ -887,18 +893,25 @@ async def test_cancel_while_grouping_stops_and_joins_the_reading_thread(tmp_path
             consumed.append(t)
             if t == 10:
                 paused.set()
-                resume.wait()
+                resume.wait(60)
             yield _result(t, 0, 1.0, agent=None, server="env_a")
 
     async with _deployment(_base_config()) as (deployment, topology, client):
         task = asyncio.create_task(
             aggregate_metrics(rows(), topology, client, output_path=tmp_path / "m.json")
         )
-        await asyncio.to_thread(paused.wait)
-        task.cancel()
-        for _ in range(3):
-            await asyncio.sleep(0)  # the task handles its cancellation: it asks the thread to stop
-        resume.set()
+        try:
+            pause = asyncio.ensure_future(asyncio.to_thread(paused.wait, 60))
+            # the call ending before it reads row 10 fails here, not at a timeout
+            await asyncio.wait({task, pause}, return_when=asyncio.FIRST_COMPLETED)
+            assert pause.done(), "aggregate_metrics ended before reading row 10"
+            assert pause.result() is True
+            task.cancel()
+            for _ in range(3):
+                await asyncio.sleep(0)  # the task handles its cancellation: it asks the thread to stop
+        finally:
+            paused.set()
+            resume.set()
         with pytest.raises(asyncio.CancelledError):
             await task
         # Joined: the thread had stopped at its next check before the cancellation propagated.
