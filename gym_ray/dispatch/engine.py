@@ -252,7 +252,6 @@ class _Dispatcher:
         record_unrouted_failures: bool,
         record_failure: FailureRecorder | None,
         retry_requests: bool,
-        environment_server_name: str | None,
         clock: Callable[[], float],
         tracer: Tracer | None = None,
         health: ServerHealth | None = None,
@@ -261,7 +260,6 @@ class _Dispatcher:
         self.client = client
         self.health = health
         self.max_infra_retries = max_infra_retries
-        self.infra_retries = 0
         self.tracer = tracer
         # Links to the job span current where the dispatch is built (none when off / per_rollout).
         self.trace_links = () if tracer is None else tracer.job_links()
@@ -275,14 +273,13 @@ class _Dispatcher:
         self.record_unrouted = record_unrouted_failures
         self.record_failure = record_failure
         self.retry_requests = retry_requests
-        self.override = environment_server_name
         self.tracker = LatencyTracker()
         self.drained = self.failed = self.completed = 0
         self._routes: dict[Any, tuple[str, str, str | None]] = {}
 
     def server_of(self, row: Mapping[str, Any]) -> tuple[str, str, str | None]:
         """``(server name, base URL, implementation)`` for a row, cached per stamp / taskset / agent."""
-        stamp = self.override or row.get(keys.ENVIRONMENT_SERVER)
+        stamp = row.get(keys.ENVIRONMENT_SERVER)
         key: Any = stamp if isinstance(stamp, str) else _agent_key(row)
         hit = self._routes.get(key)
         if hit is None:
@@ -321,7 +318,6 @@ class _Dispatcher:
             if out is not _INFRA_RETRY:
                 return out
             retries += 1
-            self.infra_retries += 1
 
     async def _attempt(self, row: Row, *, last: bool) -> Any:
         server, url, impl = self.server_of(row)
@@ -438,7 +434,6 @@ def build_dispatcher(
     record_unrouted_failures: bool = False,
     record_failure: FailureRecorder | None = None,
     retry_requests: bool = True,
-    environment_server_name: str | None = None,
     clock: Callable[[], float] = time.monotonic,
     tracer: Tracer | None = None,
     health: ServerHealth | None = None,
@@ -459,7 +454,6 @@ def build_dispatcher(
         record_unrouted_failures=record_unrouted_failures,
         record_failure=record_failure,
         retry_requests=retry_requests,
-        environment_server_name=environment_server_name,
         clock=clock,
         tracer=tracer,
         health=health,
