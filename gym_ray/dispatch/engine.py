@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from gym_ray import keys
 from gym_ray.config.topology import Topology
 from gym_ray.dispatch._completion import CompletionIterator
+from gym_ray.dispatch._http import excerpt_of
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.health import ServerHealth, is_infrastructure_failure
 from gym_ray.dispatch.outcomes import (
@@ -356,7 +357,7 @@ class _Dispatcher:
                     "server must reply with the result object",
                     url=url + "/run",
                     status=200,
-                    body_excerpt=json.dumps(reply)[:2000],
+                    body_excerpt=excerpt_of(json.dumps(reply).encode()),
                 ),
                 server,
             )

@@ -9,12 +9,14 @@ Every test takes milliseconds to a second.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import statistics
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from gym_ray import keys
 from gym_ray.config.topology import Topology
@@ -211,11 +213,16 @@ def test_interleave_groups_by_agent_then_taskset_then_server_and_keeps_other_ite
 
 def test_interleave_works_in_windows_of_4096_rows() -> None:
     assert INTERLEAVE_WINDOW == 4096
-    rows = [{"agent_ref": {"name": "a"}, "i": i} for i in range(4096)]
-    rows += [{"agent_ref": {"name": "b"}, "i": 4096}, {"agent_ref": {"name": "a"}, "i": 4097}]
-    rows += [{"agent_ref": {"name": "b"}, "i": 4098}]
+
+    def agents(names: str) -> list[dict[str, Any]]:
+        return [{"agent_ref": {"name": a}, "i": i} for i, a in enumerate(names)]
+
     # the first window is agent a alone; the second round-robins a and b
+    rows = agents("a" * 4096 + "bab")
     assert [r["i"] for r in interleave_by_agent(rows)] == [*range(4096), 4096, 4097, 4098]
+    # b is the 4096th row: in the first window, right after a's first row; a's row 4096 comes last
+    rows = agents("a" * 4095 + "ba")
+    assert [r["i"] for r in interleave_by_agent(rows)] == [0, 4095, *range(1, 4095), 4096]
 
 
 # --- dispatch(): defaults, drained rows, failures, stats --------------------------------------------
@@ -238,6 +245,26 @@ async def test_dispatch_defaults_keep_input_order_replay_and_raise_a_failed_run(
     with pytest.raises(ServerHTTPError):
         await outcomes_of(dispatch([row(5, fault="500")], client, topology))
     assert dep.stats("env").request_counts[(5, 0)] == 1
+
+
+@pytest.mark.parametrize(
+    ("bound", "sem", "expected"),
+    [pytest.param(2, None, 2, id="max_resident_tasks"), pytest.param(None, 3, 3, id="semaphore")],
+)
+async def test_dispatch_keeps_the_server_within_its_bound(
+    bound: int | None, sem: int | None, expected: int
+) -> None:
+    async with serve_config(make_config(30)) as dep:  # 30 ms per /run: unbounded rows would overlap
+        topology = Topology.from_config(dep.config)
+        semaphore = asyncio.Semaphore(sem) if sem else None
+        async with ServerClient(topology) as client:
+            it = dispatch(
+                [row(i) for i in range(8)], client, topology, max_resident_tasks=bound, semaphore=semaphore
+            )
+            done = await outcomes_of(it)
+        assert len(done) == 8
+        assert dep.stats("env").max_in_flight == expected
+        assert dep.stats("env").request_counts == {(i, 0): 1 for i in range(8)}
 
 
 async def test_dispatch_interleaves_agents_and_tasksets_when_asked(
@@ -510,3 +537,80 @@ async def test_with_health_an_infrastructure_failure_is_resent_10_times_by_defau
     assert isinstance(failure, RolloutFailureRecord)
     assert failure.http_status == 429
     assert dep.stats("env").request_counts == {(0, 0): 11}  # the first send and 10 resends
+
+
+@pytest.mark.parametrize(
+    "between",
+    [
+        pytest.param({}, id="a-result"),
+        pytest.param({"fault": "500"}, id="an-error-reply"),
+    ],
+)
+async def test_with_health_any_answer_between_dropped_connections_resets_the_failure_streak(
+    wired: tuple[Deployment, Topology, ServerClient], between: dict[str, Any]
+) -> None:
+    # drop, answer, drop, answer, drop: three infrastructure failures, but never 3 in a row (down_after=3),
+    # so the server is never judged down (no probe, no outage)
+    dep, topology, _ = wired
+    time = FakeTime()
+    rows = [row(i, **({"fault": "drop"} if i % 2 == 0 else between)) for i in range(5)]
+    async with (
+        ServerClient(topology, max_request_retries=0) as client,
+        ServerHealth(client, clock=time.clock, sleep=time.sleep) as health,
+    ):
+        it = dispatch(
+            rows,
+            client,
+            topology,
+            max_resident_tasks=1,
+            health=health,
+            max_infra_retries=0,
+            route_failures_to_sidecar=True,
+        )
+        done = await outcomes_of(it)
+        sample = health.snapshot()["env"]
+    assert [type(o).__name__ for _, o in done] == [
+        "RolloutFailureRecord",
+        "RolloutFailureRecord" if between else "CompletedRollout",
+    ] * 2 + ["RolloutFailureRecord"]
+    assert (sample.infra_failures, sample.outages, sample.state) == (3, 0, "up")
+    assert time.sleeps == []
+    assert dep.stats("env").request_counts == {(i, 0): 1 for i in range(5)}
+
+
+async def test_a_long_reply_that_is_not_an_object_is_a_failure_with_a_marked_excerpt() -> None:
+    # a server of our own on 127.0.0.1 that answers /run with a JSON list longer than an excerpt
+    reply = [{"reward": 1.0, "i": i} for i in range(200)]
+    text = json.dumps(reply)
+    assert len(text) > 2000
+
+    async def run(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(reply)
+
+    app = web.Application()
+    app.router.add_post("/run", run)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        topology = Topology.from_config(make_config(env_port=port))
+        async with ServerClient(topology) as client:
+            it = dispatch([row(0)], client, topology, route_failures_to_sidecar=True)
+            [(_, failure)] = await outcomes_of(it)
+    finally:
+        await runner.cleanup()
+    assert isinstance(failure, RolloutFailureRecord)
+    assert (failure.failure_class, failure.failure_type, failure.http_status) == (
+        "agent_run_error",
+        "ServerResponseError",
+        200,
+    )
+    # cut at 2,000 characters and marked as cut, like every other body excerpt
+    assert failure.response_body == text[:2000] + "…"
+    assert failure.message == (
+        f"POST http://127.0.0.1:{port}/run answered a JSON list, not an object; an environment server must "
+        "reply with the result object"
+    )
