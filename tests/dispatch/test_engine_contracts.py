@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gym_ray import keys
 from gym_ray.config.topology import Topology
@@ -32,7 +33,14 @@ from gym_ray.dispatch.engine import (
 from gym_ray.dispatch.health import ServerHealth
 from gym_ray.dispatch.helper import RolloutCollectionHelper
 from gym_ray.dispatch.outcomes import CompletedRollout, RolloutFailureRecord
-from gym_ray.errors import InputError, RoutingError, ServerConnectionError, ServerHTTPError
+from gym_ray.errors import (
+    InputError,
+    RoutingError,
+    ServerConnectionError,
+    ServerHTTPError,
+    ServerResponseError,
+)
+from gym_ray.observe.tracing import TracingSettings, setup_tracing, shutdown_tracing
 from gym_ray.servers import serve_config
 from gym_ray.servers.launch import Deployment
 from tests.dispatch.test_dispatch import make_config, row
@@ -182,12 +190,19 @@ def test_an_episode_body_refuses_an_attempt_that_is_not_an_int_of_at_least_0(att
     )
 
 
-@pytest.mark.parametrize("missing", [keys.TASK_INDEX, keys.ROLLOUT_INDEX])
-def test_an_episode_body_refuses_a_row_without_rollout_id_nor_indices(missing: str) -> None:
+@pytest.mark.parametrize(
+    ("missing", "indices"), [(keys.TASK_INDEX, "(None, 0)"), (keys.ROLLOUT_INDEX, "(3, None)")]
+)
+def test_an_episode_body_refuses_a_row_without_rollout_id_nor_indices(missing: str, indices: str) -> None:
     row_ = task_row(3)
     del row_[missing]
-    with pytest.raises(InputError, match=r"has no _ng_rollout_id and no _ng_task_index/_ng_rollout_index"):
+    with pytest.raises(InputError) as info:
         episode_request_body(row_)
+    assert str(info.value) == (
+        "materialized row {'taskset': 'arith', 'task_id': 't3'} has no _ng_rollout_id and no "
+        f"_ng_task_index/_ng_rollout_index {indices}; run preprocess_examples first or give it an explicit "
+        "rollout id"
+    )
 
 
 # --- interleave_by_agent ----------------------------------------------------------------------------
@@ -234,7 +249,7 @@ async def test_dispatch_defaults_keep_input_order_replay_and_raise_a_failed_run(
     dep, topology, client = wired
     rows = [row(0), task_row(1), row(2), task_row(3)]
     done = await outcomes_of(dispatch(rows, client, topology, max_resident_tasks=1))
-    assert [r for r, _ in done] == rows
+    assert all(r is sent and o.row is sent for (r, o), sent in zip(done, rows, strict=True))
     assert list(dep.stats("env").request_counts) == [(0, 0), (1, 0), (2, 0), (3, 0)]  # not interleaved
     # retry_requests defaults to True: a dropped connection is replayed (2 retries of the client)
     dropped = dispatch([row(4, fault="disconnect")], client, topology)
@@ -322,11 +337,17 @@ async def test_a_budget_that_is_exactly_spent_drains_every_row_with_its_server(
     assert it.stats() == DispatchStats(0, 2, 2, 0, 0, None, None)
 
 
-async def test_a_row_with_exactly_the_margin_left_is_sent(
-    wired: tuple[Deployment, Topology, ServerClient],
+@pytest.mark.parametrize(
+    ("budget", "margin"),
+    [pytest.param(30, 30, id="exactly-the-margin-left"), pytest.param(0.5, None, id="half-a-second-left")],
+)
+async def test_a_row_with_budget_left_and_not_less_than_the_margin_is_sent(
+    wired: tuple[Deployment, Topology, ServerClient], budget: float, margin: float | None
 ) -> None:
     dep, topology, client = wired
-    it = dispatch([row(0)], client, topology, dispatch_budget_s=30, drain_margin_s=30, clock=lambda: 5.0)
+    it = dispatch(
+        [row(0)], client, topology, dispatch_budget_s=budget, drain_margin_s=margin, clock=lambda: 5.0
+    )
     [(_, done)] = await outcomes_of(it)
     assert done.result["reward"] == 1.0
     assert dep.stats("env").request_counts == {(0, 0): 1}
@@ -485,12 +506,15 @@ async def test_an_episode_failure_is_counted_failed_not_completed(
     dep, topology, client = wired
     episode_failure = task_row(9)
     episode_failure[keys.TASK_INPUT] = {**episode_failure[keys.TASK_INPUT], "force_failure": "nope"}
-    it = dispatch([episode_failure, row(1)], client, topology, max_resident_tasks=1)
+    second = {**episode_failure, keys.TASK_INDEX: 8}
+    it = dispatch([episode_failure, row(1), second], client, topology, max_resident_tasks=1)
     done = dict((r[keys.TASK_INDEX], o) for r, o in await outcomes_of(it))
-    assert isinstance(done[9], RolloutFailureRecord)
     assert isinstance(done[1], CompletedRollout)
-    assert (it.stats().failed, it.stats().completed) == (1, 1)
-    assert dep.stats("env").request_counts == {(9, 0): 1, (1, 0): 1}
+    for i in (8, 9):
+        assert isinstance(done[i], RolloutFailureRecord)
+        assert (done[i].task_index, done[i].environment_server) == (i, "env")
+    assert (it.stats().failed, it.stats().completed) == (2, 1)
+    assert dep.stats("env").request_counts == {(9, 0): 1, (1, 0): 1, (8, 0): 1}
 
 
 async def test_stats_of_a_helper_iterator_are_zero_before_it_is_prepared(env: Deployment) -> None:
@@ -507,12 +531,13 @@ async def test_stats_of_a_helper_iterator_are_zero_before_it_is_prepared(env: De
 # --- with ServerHealth: the semaphore per attempt, the default resend budget -------------------------
 
 
-async def test_with_health_a_semaphore_bounds_each_attempt_and_never_deadlocks(
-    wired: tuple[Deployment, Topology, ServerClient],
-) -> None:
-    dep, topology, client = wired
+async def test_with_health_a_semaphore_bounds_each_attempt_and_never_deadlocks() -> None:
     time = FakeTime()
-    async with ServerHealth(client, clock=time.clock, sleep=time.sleep) as health:
+    async with (
+        serve_config(make_config(30)) as dep,  # 30 ms per /run: unbounded rows would overlap
+        ServerClient(topology := Topology.from_config(dep.config)) as client,
+        ServerHealth(client, clock=time.clock, sleep=time.sleep) as health,
+    ):
         it = dispatch(
             [row(i) for i in range(4)], client, topology, semaphore=asyncio.Semaphore(1), health=health
         )
@@ -600,9 +625,18 @@ async def test_a_long_reply_that_is_not_an_object_is_a_failure_with_a_marked_exc
         async with ServerClient(topology) as client:
             it = dispatch([row(0)], client, topology, route_failures_to_sidecar=True)
             [(_, failure)] = await outcomes_of(it)
+            with pytest.raises(ServerResponseError) as info:
+                await outcomes_of(dispatch([row(1)], client, topology))
     finally:
         await runner.cleanup()
+    error = info.value
+    assert (error.url, error.status, error.body_excerpt) == (
+        f"http://127.0.0.1:{port}/run",
+        200,
+        text[:2000] + "…",
+    )
     assert isinstance(failure, RolloutFailureRecord)
+    assert failure.environment_server == "env"
     assert (failure.failure_class, failure.failure_type, failure.http_status) == (
         "agent_run_error",
         "ServerResponseError",
@@ -614,3 +648,30 @@ async def test_a_long_reply_that_is_not_an_object_is_a_failure_with_a_marked_exc
         f"POST http://127.0.0.1:{port}/run answered a JSON list, not an object; an environment server must "
         "reply with the result object"
     )
+
+
+@pytest.mark.parametrize(
+    ("retry", "sends"), [pytest.param(None, 3, id="default"), pytest.param(False, 1, id="off")]
+)
+async def test_a_traced_dispatch_replays_a_dropped_run_only_when_allowed(
+    wired: tuple[Deployment, Topology, ServerClient], retry: bool | None, sends: int
+) -> None:
+    dep, topology, client = wired
+    settings = TracingSettings(enabled=True, preset="default", exporter="memory")
+    tracer = setup_tracing(settings, span_exporter=InMemorySpanExporter())
+    assert tracer is not None
+    try:
+        options: dict[str, Any] = {} if retry is None else {"retry_requests": retry}
+        it = dispatch(
+            [row(0, fault="disconnect")],
+            client,
+            topology,
+            tracer=tracer,
+            route_failures_to_sidecar=True,
+            **options,
+        )
+        [(_, failure)] = await outcomes_of(it)
+    finally:
+        shutdown_tracing()
+    assert isinstance(failure, RolloutFailureRecord)
+    assert dep.stats("env").request_counts == {(0, 0): sends}
