@@ -558,7 +558,8 @@ async def test_with_health_an_infrastructure_failure_is_resent_10_times_by_defau
         ServerHealth(client, clock=time.clock, sleep=time.sleep) as health,
     ):
         it = dispatch([row(0, fault="429")], client, topology, health=health, route_failures_to_sidecar=True)
-        [(_, failure)] = await outcomes_of(it)
+        async with asyncio.timeout(5):  # 11 sends take milliseconds; a resend loop that never ends fails here
+            [(_, failure)] = await outcomes_of(it)
     assert isinstance(failure, RolloutFailureRecord)
     assert failure.http_status == 429
     assert dep.stats("env").request_counts == {(0, 0): 11}  # the first send and 10 resends
