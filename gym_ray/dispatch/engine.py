@@ -361,14 +361,17 @@ class _Dispatcher:
                 ),
                 server,
             )
-        self.tracker.record(elapsed)
         if self.shape == "examples":
+            self.tracker.record(elapsed)
             self.completed += 1
             return row, reply
         outcome = classify_reply(row, reply, environment_server=server)
         if isinstance(outcome, RolloutFailureRecord):
+            # not a successful /run: its latency (often a quick refusal) stays out of the percentiles and
+            # the drain margin, which estimate how long a rollout takes
             self.failed += 1
             return row, outcome
+        self.tracker.record(elapsed)
         self.completed += 1
         if self.shape == "completed":
             return row, CompletedRollout(row, outcome, elapsed * 1000.0, server, impl)

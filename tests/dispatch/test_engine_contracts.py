@@ -515,6 +515,10 @@ async def test_an_episode_failure_is_counted_failed_not_completed(
         assert (done[i].task_index, done[i].environment_server) == (i, "env")
     assert (it.stats().failed, it.stats().completed) == (2, 1)
     assert dep.stats("env").request_counts == {(9, 0): 1, (1, 0): 1, (8, 0): 1}
+    # the percentiles are of successful rollouts only: the one success's own latency
+    success = done[1]
+    assert isinstance(success, CompletedRollout)
+    assert it.stats().p50_latency_ms == it.stats().p99_latency_ms == success.rollout_latency_ms
 
 
 async def test_stats_of_a_helper_iterator_are_zero_before_it_is_prepared(env: Deployment) -> None:

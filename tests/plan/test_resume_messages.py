@@ -159,8 +159,8 @@ def test_a_damaged_manifest_names_the_shard_and_file(tmp_path: Path) -> None:
     with pytest.raises(ResumeError) as caught:
         plan_resume(tmp_path, "s0")
     assert str(caught.value) == (
-        f"shard 's0': {paths.manifest}: not a valid shard manifest (<body>: Invalid JSON: key must be a string "
-        "at line 1 column 2); restore it, or remove it to resume without verifying the inputs"
+        f"shard 's0': {paths.manifest}: not a valid shard manifest (<body>: Invalid JSON: key must be a "
+        "string at line 1 column 2); restore it, or remove it to resume without verifying the inputs"
     )
 
 
