@@ -16,9 +16,7 @@ line kept (or dropped, and under which count) does not depend on the way taken.
 from __future__ import annotations
 
 import itertools
-import os
-import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -26,7 +24,7 @@ import orjson
 
 from gym_ray import keys
 from gym_ray.errors import InputError
-from gym_ray.record.jsonl import parse_record
+from gym_ray.record.jsonl import line_batches, parse_record
 from gym_ray.record.shard_files import shard_paths
 
 SUCCESS, FAILURE = 0, 1
@@ -103,7 +101,7 @@ def read_shard(base: Path, shard: str) -> ShardLines:
     for kind, path in ((SUCCESS, paths.successes), (FAILURE, paths.failures)):
         is_failure = kind == FAILURE
         line_no = 0
-        for lines in file_line_batches(path):
+        for lines, _ in line_batches(path, missing_ok=True):
             for raw in lines:
                 line_no += 1
                 record: dict[str, Any] | None
@@ -238,31 +236,3 @@ def keep_lines(entries: Iterable[Entry], out_ok: BinaryIO, out_failed: BinaryIO,
     tally.duplicate_successes += dup_successes
     tally.superseded_failures += superseded
     tally.duplicate_failures += dup_failures
-
-
-def file_line_batches(path: Path) -> Iterator[list[bytes]]:
-    """The lines (without their newline) of the bytes ``path`` has now, in batches, like ``JsonlReader``.
-
-    A missing file has no lines; a last line without ``\\n`` is yielded as it is. Empty lines are kept, so
-    counting the lines gives their line numbers.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        st = os.fstat(fd)
-        remaining = st.st_size if stat.S_ISREG(st.st_mode) else 0
-        pending = b""
-        while remaining > 0:
-            chunk = os.read(fd, min(_READ_CHUNK, remaining))
-            if not chunk:
-                break
-            remaining -= len(chunk)
-            lines = (pending + chunk).split(b"\n")
-            pending = lines.pop()
-            yield lines
-        if pending:
-            yield [pending]
-    finally:
-        os.close(fd)

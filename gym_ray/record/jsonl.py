@@ -29,7 +29,7 @@ from typing import Any
 from gym_ray._json import NOT_SURE, dumps_compact, orjson_loads
 from gym_ray.errors import InputError
 
-__all__ = ["JsonlReader", "TailRepair", "encode_line", "parse_record", "repair_torn_tail"]
+__all__ = ["JsonlReader", "TailRepair", "encode_line", "line_batches", "parse_record", "repair_torn_tail"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,32 +123,46 @@ class JsonlReader:
             yield line_no, record
 
     def _raw_lines(self) -> Iterator[tuple[int, bytes, bool]]:
-        try:
-            fd = os.open(os.fspath(self.path), os.O_RDONLY)
-        except FileNotFoundError:
-            if self.missing_ok:
-                return
-            raise
-        try:
-            st = os.fstat(fd)
-            # Read only what exists now; a device (tests use /dev/full) reads as its reported size, 0.
-            remaining = st.st_size if stat.S_ISREG(st.st_mode) else 0
-            line_no = 0
-            pending = b""
-            while remaining > 0:
-                chunk = os.read(fd, min(_CHUNK, remaining))
-                if not chunk:
-                    break
-                remaining -= len(chunk)
-                parts = (pending + chunk).split(b"\n")
-                pending = parts.pop()
-                for part in parts:
-                    line_no += 1
-                    yield line_no, part, True
-            if pending:
-                yield line_no + 1, pending, False
-        finally:
-            os.close(fd)
+        line_no = 0
+        for lines, terminated in line_batches(self.path, missing_ok=self.missing_ok):
+            for part in lines:
+                line_no += 1
+                yield line_no, part, terminated
+
+
+def line_batches(path: str | os.PathLike[str], *, missing_ok: bool) -> Iterator[tuple[list[bytes], bool]]:
+    """The lines (without their newline) of the bytes ``path`` has now, in batches, with whether they ended.
+
+    Yields ``(lines, True)`` per chunk read, then ``([last], False)`` for a last line without ``\\n``. Only
+    the bytes that exist when reading starts are read (a concurrent append is not half-read); a device
+    (tests use /dev/full) reads as its reported size, 0. Empty lines are kept, so counting the lines gives
+    their line numbers.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist and ``missing_ok`` is false (else it has no lines).
+    """
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    try:
+        st = os.fstat(fd)
+        remaining = st.st_size if stat.S_ISREG(st.st_mode) else 0
+        pending = b""
+        while remaining > 0:
+            chunk = os.read(fd, min(_CHUNK, remaining))
+            if not chunk:
+                break
+            remaining -= len(chunk)
+            lines = (pending + chunk).split(b"\n")
+            pending = lines.pop()
+            yield lines, True
+        if pending:
+            yield [pending], False
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
