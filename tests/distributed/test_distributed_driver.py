@@ -7,6 +7,7 @@ import contextlib
 import functools
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -410,3 +411,31 @@ async def test_a_shard_report_is_counted_once_with_its_accepted_completion() -> 
     status = await driver.wait_finished()
     assert (status.completed, status.requeued_total) == (1, 1)
     await driver.close()
+
+
+def test_a_planner_cancelled_during_a_step_is_not_closed_under_that_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The actor's loop shutting down cancels the planner task while a planning step runs in its thread:
+    the planner is then left to finish that step (closing an executing generator raises), nothing logged."""
+    stepping, release = threading.Event(), threading.Event()
+    steps: list[str] = []
+
+    def planner() -> Iterator[ShardSpec]:
+        yield from _specs(1)
+        stepping.set()
+        steps.append("released" if release.wait(30) else "timed out")
+        yield from _specs(1)
+
+    async def serve() -> None:
+        driver = ShardDriver(planner, lookahead=5)
+        await driver.start()
+        await asyncio.to_thread(stepping.wait, 30)
+        # returning leaves the planner task mid-step: asyncio.run cancels it, then waits for the
+        # step's thread, which this releases
+        asyncio.get_running_loop().call_later(0.05, release.set)
+
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        asyncio.run(serve())
+    assert steps == ["released"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
