@@ -376,5 +376,14 @@ TRIAGED: dict[str, dict[str, str]] = {
     },
     "distributed/driver.py": {
         **_same("specs is assigned before it is read", "xǁShardDriverǁ_plan_loop__mutmut_2"),
+        **_same(
+            "the clock argument is stored but never read by the driver", "xǁShardDriverǁ__init____mutmut_7"
+        ),
+        **_same(
+            "initial value replaced before any read: _cond() creates the planner task before stop_planning "
+            "reads it",
+            "xǁShardDriverǁ__init____mutmut_9",
+        ),
+        **_same(_NONE_FALSE, "xǁShardDriverǁ__init____mutmut_15"),
     },
 }

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
-from gym_ray.errors import InputError
+from gym_ray.errors import ConfigError, InputError
 from gym_ray.record.merge import merge_shards
 from gym_ray.record.shard_files import shard_paths
 from tests.record.test_merge import _reference_counts, _reference_merge, fail, read, rec, write_shard
@@ -202,3 +202,30 @@ def test_a_record_without_integer_identity_is_named_by_file_and_line_word_for_wo
         f"{failures}:2: record has no integer _ng_task_index/_ng_rollout_index (got 1, '0'), so it cannot be "
         "ordered or deduplicated; fix or remove that line and merge again"
     )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param(
+            {"output_prefix": "rollouts-x"},
+            "output_prefix='rollouts-x' must be a file stem of letters, digits, '.', '_' and '-' (no path "
+            "separators, no '..') that does not start with 'rollouts-' (shard files do); the default is "
+            "'rollouts'",
+            id="output-prefix",
+        ),
+        pytest.param(
+            {"pool_min_bytes": 1.5},
+            "pool_min_bytes=1.5 must be an integer >= 0 (0 uses the process pool whenever there are >= 2 "
+            "workers and shards and any shard data)",
+            id="pool-min-bytes",
+        ),
+    ],
+)
+def test_bad_merge_arguments_are_named_word_for_word(
+    tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    write_shard(tmp_path, "a", [rec(0, 0)])
+    with pytest.raises(ConfigError) as info:
+        merge_shards(tmp_path, **kwargs)
+    assert (str(info.value), info.value.key) == (message, next(iter(kwargs)))
