@@ -108,7 +108,25 @@ MODULES: dict[str, tuple[str, ...]] = {
         "-tests/record/test_aggregate_memory.py::test_whole_call_memory_does_not_grow_with_the_tasks",
         "-tests/record/test_aggregate_memory.py::test_request_side_memory_does_not_grow_with_the_results",
     ),
-    "dispatch/engine.py": ("tests/dispatch/test_dispatch.py", "tests/dispatch/test_contracts.py"),
+    "dispatch/engine.py": (
+        # the engine's contract on the reference servers and its pure parts (milliseconds per test)
+        "tests/dispatch/test_engine_contracts.py",
+        "tests/dispatch/test_dispatch.py",
+        "tests/dispatch/test_contracts.py",
+        "tests/dispatch/test_latency.py",
+        "tests/dispatch/test_health.py",
+        "tests/dispatch/test_helper_record.py",
+        "tests/observe/test_tracing.py",
+        # the bound on live tasks is the completion iterator's (its own selection runs the 1.7 s generator
+        # test); engine mutants these kill, the faster tests kill too
+        "-tests/dispatch/test_dispatch.py::test_many_generator_rows_keep_live_tasks_within_256[2560-in-ci]",
+        "-tests/dispatch/test_dispatch.py::test_generator_rows_keep_live_tasks_bounded",
+        # 1.4 s of client backoff; test_engine_contracts.py checks the replay count with 10 ms backoff
+        "-tests/dispatch/test_dispatch.py::test_retry_requests_false_never_replays_run[replayed]",
+        # a mutant that never ends the resend loop spins this test (Retry-After on a fake clock) into
+        # pytest's 120 s timeout; test_engine_contracts.py checks the resend count under a 30 s limit
+        "-tests/dispatch/test_health.py::test_retry_after_pauses_admission_and_429s_spend_the_infra_budget_not_attempts",
+    ),
     "dispatch/_completion.py": (
         # the admission contract on plain coroutines (milliseconds per test)
         "tests/dispatch/test_completion_iterator.py",

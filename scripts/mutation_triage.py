@@ -386,4 +386,68 @@ TRIAGED: dict[str, dict[str, str]] = {
         ),
         **_same(_NONE_FALSE, "xǁShardDriverǁ__init____mutmut_15"),
     },
+    "dispatch/engine.py": {
+        **_same(
+            "the tag of a taskset / server group key only keeps it apart from agent names (strings); any "
+            "tag does that",
+            *(f"x__agent_key__mutmut_{n}" for n in (12, 13, 15, 16)),
+        ),
+        **_same(
+            "every caller (dispatch, the helper, the stream worker) passes route_failures_to_sidecar and "
+            "retry_requests; record_unrouted_failures is read only with routing off, and the one caller "
+            "that leaves it out (the stream worker) routes",
+            *(f"x_build_dispatcher__mutmut_{n}" for n in (1, 2, 3)),
+        ),
+        **_same(
+            "unreachable: dispatch() and the helper set _dispatcher right after building the iterator "
+            "(its own counters are zero / None before the first row, which a test checks)",
+            *(f"xǁDispatchIteratorǁstats__mutmut_{n}" for n in range(2, 17)),
+        ),
+        **_same(
+            "the margin's bookkeeping: _margin_at is read only once a margin was computed (which sets it), "
+            "and without it the histogram margin is recomputed at the same 64-sample points to the same "
+            "value",
+            "xǁLatencyTrackerǁ__init____mutmut_8",
+            "xǁLatencyTrackerǁ__init____mutmut_9",
+            "xǁLatencyTrackerǁdrain_margin__mutmut_17",
+        ),
+        **_same(
+            "unreachable for q in [0, 1]: the bucket counts add up to count > (count - 1) * q, so the loop "
+            "returns first",
+            *(f"xǁLatencyTrackerǁquantile__mutmut_{n}" for n in range(39, 47)),
+        ),
+        **_same(
+            "the emptied exact list is only tested for truth once the histogram holds samples "
+            "([] and None read alike)",
+            "xǁLatencyTrackerǁrecord__mutmut_10",
+        ),
+        **_same(
+            "the health state of a URL is created by admit(url, server), always before failed(): the "
+            "server name given to failed() is not read again",
+            "xǁ_Dispatcherǁ_attempt__mutmut_64",
+        ),
+        **_same(
+            "run_outcomes (the only outcomes-shaped caller) always routes failures, so the shape test "
+            "after `self.route or` is never what decides",
+            "xǁ_Dispatcherǁ_failed__mutmut_6",
+            "xǁ_Dispatcherǁ_failed__mutmut_7",
+        ),
+        **_same(
+            "without ServerHealth, _attempt never returns the resend marker, so `last` is not read",
+            "xǁ_Dispatcherǁ_run_row__mutmut_5",
+            "xǁ_Dispatcherǁ_run_row__mutmut_8",
+        ),
+        **_same(
+            "the route cache is a speed-up: a miss routes the row again to the same server",
+            *(f"xǁ_Dispatcherǁserver_of__mutmut_{n}" for n in (7, 8, 22)),
+        ),
+        **_same(
+            "environment_server_for_row returns the stamp itself for a stamped row (after the same check)",
+            "xǁ_Dispatcherǁserver_of__mutmut_11",
+        ),
+        **_same(
+            "the route's server is an environment server (checked first), so it is always an instance",
+            "xǁ_Dispatcherǁserver_of__mutmut_20",
+        ),
+    },
 }

@@ -44,6 +44,7 @@ import aiohttp
 import aiohttp.connector
 from yarl import URL
 
+from gym_ray import _json as fast_json
 from gym_ray import keys
 from gym_ray.dispatch._http import BODY_EXCERPT_CHARS as BODY_EXCERPT_CHARS
 from gym_ray.dispatch._http import (
@@ -567,7 +568,7 @@ class ServerClient:
                 if reply_path is not None:
                     return None
                 try:
-                    return json.loads(payload)
+                    return fast_json.loads(payload)
                 except ValueError as exc:
                     raise ServerResponseError(
                         f"{method} {text} answered HTTP {status} with a body that is not JSON ({exc}): "

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from gym_ray import keys
 from gym_ray.config.topology import Topology
 from gym_ray.dispatch._completion import CompletionIterator
+from gym_ray.dispatch._http import excerpt_of
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.health import ServerHealth, is_infrastructure_failure
 from gym_ray.dispatch.outcomes import (
@@ -252,7 +253,6 @@ class _Dispatcher:
         record_unrouted_failures: bool,
         record_failure: FailureRecorder | None,
         retry_requests: bool,
-        environment_server_name: str | None,
         clock: Callable[[], float],
         tracer: Tracer | None = None,
         health: ServerHealth | None = None,
@@ -261,7 +261,6 @@ class _Dispatcher:
         self.client = client
         self.health = health
         self.max_infra_retries = max_infra_retries
-        self.infra_retries = 0
         self.tracer = tracer
         # Links to the job span current where the dispatch is built (none when off / per_rollout).
         self.trace_links = () if tracer is None else tracer.job_links()
@@ -275,14 +274,13 @@ class _Dispatcher:
         self.record_unrouted = record_unrouted_failures
         self.record_failure = record_failure
         self.retry_requests = retry_requests
-        self.override = environment_server_name
         self.tracker = LatencyTracker()
         self.drained = self.failed = self.completed = 0
         self._routes: dict[Any, tuple[str, str, str | None]] = {}
 
     def server_of(self, row: Mapping[str, Any]) -> tuple[str, str, str | None]:
         """``(server name, base URL, implementation)`` for a row, cached per stamp / taskset / agent."""
-        stamp = self.override or row.get(keys.ENVIRONMENT_SERVER)
+        stamp = row.get(keys.ENVIRONMENT_SERVER)
         key: Any = stamp if isinstance(stamp, str) else _agent_key(row)
         hit = self._routes.get(key)
         if hit is None:
@@ -321,7 +319,6 @@ class _Dispatcher:
             if out is not _INFRA_RETRY:
                 return out
             retries += 1
-            self.infra_retries += 1
 
     async def _attempt(self, row: Row, *, last: bool) -> Any:
         server, url, impl = self.server_of(row)
@@ -360,18 +357,21 @@ class _Dispatcher:
                     "server must reply with the result object",
                     url=url + "/run",
                     status=200,
-                    body_excerpt=json.dumps(reply)[:2000],
+                    body_excerpt=excerpt_of(json.dumps(reply).encode()),
                 ),
                 server,
             )
-        self.tracker.record(elapsed)
         if self.shape == "examples":
+            self.tracker.record(elapsed)
             self.completed += 1
             return row, reply
         outcome = classify_reply(row, reply, environment_server=server)
         if isinstance(outcome, RolloutFailureRecord):
+            # not a successful /run: its latency (often a quick refusal) stays out of the percentiles and
+            # the drain margin, which estimate how long a rollout takes
             self.failed += 1
             return row, outcome
+        self.tracker.record(elapsed)
         self.completed += 1
         if self.shape == "completed":
             return row, CompletedRollout(row, outcome, elapsed * 1000.0, server, impl)
@@ -438,7 +438,6 @@ def build_dispatcher(
     record_unrouted_failures: bool = False,
     record_failure: FailureRecorder | None = None,
     retry_requests: bool = True,
-    environment_server_name: str | None = None,
     clock: Callable[[], float] = time.monotonic,
     tracer: Tracer | None = None,
     health: ServerHealth | None = None,
@@ -459,7 +458,6 @@ def build_dispatcher(
         record_unrouted_failures=record_unrouted_failures,
         record_failure=record_failure,
         retry_requests=retry_requests,
-        environment_server_name=environment_server_name,
         clock=clock,
         tracer=tracer,
         health=health,

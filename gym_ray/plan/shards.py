@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import os
 import shutil
 import uuid
@@ -32,6 +31,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict
 
 from gym_ray import keys
+from gym_ray._json import dumps_compact
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
@@ -97,7 +97,7 @@ def _shard_label(index: int) -> str:
 
 
 def _row_line(row: Mapping[str, Any]) -> bytes:
-    return (json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    return dumps_compact(row) + b"\n"
 
 
 def _shard_size(shard_size: int | None) -> int:

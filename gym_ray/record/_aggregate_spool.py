@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 import orjson
 
 from gym_ray import keys
+from gym_ray._json import orjson_text
 from gym_ray.errors import (
     GymRayError,
     InputError,
@@ -90,10 +91,6 @@ _REPLY_CHUNK_BYTES = 1 << 18
 _ELEMENT_INDENT = " " * 6
 _MEMBER_INDENT = " " * 4
 _INDENTED = json.JSONEncoder(indent=2, ensure_ascii=False, allow_nan=False)
-#: orjson differs from ``_INDENTED`` only where Python writes an exponent (1e-05, 1e+16) and in null
-#: (orjson's NaN/infinity): with digits mapped to 0 and E to e, text with any of these goes to ``json``.
-_DIGITS_AS_ZERO = bytes.maketrans(b"123456789E", b"000000000e")
-_ORJSON_UNSURE = (b"0e", b"0" * 17, b"0.0000", b"null")
 #: Work run through ``run_joined`` looks at its ``stop`` event once every this many rows.
 STOP_CHECK_ROWS = 1024
 
@@ -341,13 +338,8 @@ def _indented(element: dict[str, Any]) -> bytes:
     Raises:
         ValueError: NaN/infinity, or a lone surrogate (from ``json``, as before).
     """
-    try:
-        text = orjson.dumps(element, option=orjson.OPT_INDENT_2)
-    except orjson.JSONEncodeError:  # an integer beyond 64 bits, a lone surrogate: json decides
-        text = None
-    if text is None or any(mark in text.translate(_DIGITS_AS_ZERO) for mark in _ORJSON_UNSURE):
-        text = _INDENTED.encode(element).encode("utf-8")
-    return text
+    text = orjson_text(element, orjson.OPT_INDENT_2)
+    return _INDENTED.encode(element).encode("utf-8") if text is None else text
 
 
 class ServerSpools:

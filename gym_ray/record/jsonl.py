@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gym_ray._json import NOT_SURE, dumps_compact, orjson_loads
 from gym_ray.errors import InputError
 
 __all__ = ["JsonlReader", "TailRepair", "encode_line", "parse_record", "repair_torn_tail"]
@@ -44,11 +45,13 @@ def parse_record(raw: bytes) -> dict[str, Any] | None:
     Returns:
         The JSON object, or None when the bytes are not UTF-8, not JSON, or not a JSON object.
     """
-    try:
-        value = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError):
-        # ValueError covers JSONDecodeError and UnicodeDecodeError; deep nesting raises RecursionError.
-        return None
+    value = orjson_loads(raw)
+    if value is NOT_SURE:
+        try:
+            value = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError):
+            # ValueError covers JSONDecodeError and UnicodeDecodeError; deep nesting raises RecursionError.
+            return None
     return value if isinstance(value, dict) else None
 
 
@@ -65,8 +68,7 @@ def encode_line(record: dict[str, Any]) -> bytes:
         TypeError: A value is not JSON-serializable.
         ValueError: A value cannot be encoded (a circular reference, a lone surrogate).
     """
-    text = json.dumps(record, separators=(",", ":"), ensure_ascii=False)
-    return text.encode("utf-8") + b"\n"
+    return dumps_compact(record) + b"\n"
 
 
 def _is_blank(raw: bytes) -> bool:

@@ -1,0 +1,176 @@
+"""gym_ray._json: orjson's bytes and values are used only where they are exactly the stdlib json module's."""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import json
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pytest
+
+from gym_ray._json import NOT_SURE, dumps_compact, orjson_loads, orjson_text
+
+
+class Colour(enum.IntEnum):
+    RED = 1
+
+
+class Name(str):
+    pass
+
+
+@dataclass
+class Point:
+    x: int
+
+
+AWKWARD: list[Any] = [
+    {"a": 1e16, "b": 1e15, "c": 1e-5, "d": 1e-4, "e": 0.1, "f": -0.0, "g": 123456789.123456789},
+    {"big": 2**63, "bigger": 2**64, "huge": 2**70, "neg": -(2**63) - 1, "max": 2**63 - 1},
+    {"nan": math.nan},
+    {"inf": -math.inf},
+    {"none": None},
+    {1: "int key"},
+    {None: 1},
+    {1.5: "float key"},
+    {"ctl": '\x00\x08\t\n\x0c\r\x1f\x7f\u2028\u2029"\\/', "uni": "éß漢字😀", "sur": "\ud800"},
+    {"tuple": (1, 2), "nested": {"l": [[], {}, [{}]]}, "bool": [True, False]},
+    {"enum": Colour.RED, "sub": Name("x"), Name("k"): 1},
+    {"e-in-text": "1e5 and 2E-3", "digits": "12345678901234567890"},
+    [1.0, 2.5, 1e300, 5e-324, 1.7976931348623157e308, 1234567890123456.7, 0.000123],
+]
+UNSERIALIZABLE: list[Any] = [{"dt": datetime.datetime(2024, 1, 1)}, {"p": Point(1)}, {"s": {1, 2}}]
+
+
+def _json_compact(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _random_float(rng: random.Random) -> float:
+    kind = rng.random()
+    if kind < 0.3:
+        return rng.uniform(-1, 1) * 10 ** rng.randint(-30, 30)
+    if kind < 0.6:
+        return float(rng.randint(-(10**17), 10**17)) / 10 ** rng.randint(0, 20)
+    return struct_float(rng)
+
+
+def struct_float(rng: random.Random) -> float:
+    """A float from random bits (every exponent and mantissa), finite."""
+    while True:
+        value = float.fromhex(f"{rng.choice('+-')}0x1.{rng.getrandbits(52):013x}p{rng.randint(-1074, 1023)}")
+        if math.isfinite(value):
+            return value
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> Any:
+    kind = rng.randrange(8 if depth < 3 else 5)
+    if kind == 0:
+        return _random_float(rng)
+    if kind == 1:
+        return rng.choice([rng.randint(-1000, 1000), rng.randint(-(2**66), 2**66), 2**63 - rng.randint(0, 2)])
+    if kind == 2:
+        alphabet = 'ab "\\/\x00\x1f\x7fé漢😀e1E-+.0123456789\u2028'
+        return "".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
+    if kind == 3:
+        return rng.choice([None, True, False])
+    if kind == 4:
+        return rng.choice([math.nan, math.inf, 1e16, 1e-5, 0.0001, 100000000000000000.0])
+    if kind in (5, 6):
+        return {
+            f"k{index}{rng.choice('eé')}": _random_value(rng, depth + 1) for index in range(rng.randrange(5))
+        }
+    return [_random_value(rng, depth + 1) for _ in range(rng.randrange(5))]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of the same types all the way down (-0.0 is not 0.0, NaN equals NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("value", [pytest.param(v, id=f"awkward-{i}") for i, v in enumerate(AWKWARD)])
+def test_awkward_values_encode_exactly_as_json_or_raise_as_json(value: Any) -> None:
+    try:
+        expected: bytes | type[Exception] = _json_compact(value)
+    except (TypeError, ValueError) as exc:
+        expected = type(exc)
+    if isinstance(expected, bytes):
+        assert dumps_compact(value) == expected
+    else:
+        with pytest.raises(expected):
+            dumps_compact(value)
+
+
+@pytest.mark.parametrize(
+    "value", [pytest.param(v, id=f"unserializable-{i}") for i, v in enumerate(UNSERIALIZABLE)]
+)
+def test_what_json_cannot_encode_is_refused_with_json_s_type_error(value: Any) -> None:
+    with pytest.raises(TypeError):
+        json.dumps(value)
+    with pytest.raises(TypeError):
+        dumps_compact(value)
+
+
+def test_random_values_encode_exactly_as_json_compact_and_indented() -> None:
+    rng = random.Random(20261201)
+    fast = 0
+    for _ in range(6000):
+        value = {"v": _random_value(rng)}
+        assert dumps_compact(value) == _json_compact(value), value
+        indented = orjson_text(value, orjson.OPT_INDENT_2)
+        if indented is not None:
+            assert indented == json.dumps(value, indent=2, ensure_ascii=False).encode("utf-8"), value
+        fast += orjson_text(value) is not None
+    # the fast path is taken for most values (the rest have exponents, nulls or long numbers)
+    assert fast > 1500
+
+
+def test_random_floats_of_every_magnitude_encode_exactly_as_json() -> None:
+    rng = random.Random(7)
+    for _ in range(20000):
+        value = [struct_float(rng), _random_float(rng)]
+        assert dumps_compact(value) == _json_compact(value), value
+
+
+def _mutated(rng: random.Random, text: bytes) -> bytes:
+    line = bytearray(text)
+    for _ in range(rng.randrange(0, 3)):
+        position = rng.randrange(len(line) + 1)
+        choice = rng.random()
+        if choice < 0.4 and position < len(line):
+            line[position] = rng.choice(b'{}[]":,0123456789.eE+-tfnulNaI\\ \t\x00\x7f\xc3\xa9\xed\xff')
+        elif choice < 0.7 and position < len(line):
+            del line[position]
+        else:
+            line.insert(position, rng.choice(b'0123456789e-"\\,'))
+    return bytes(line)
+
+
+def test_orjson_reads_only_what_json_reads_and_reads_it_the_same() -> None:
+    rng = random.Random(11)
+    fast = 0
+    texts = [b'{"a":1,"a":2}', b'{"x":18446744073709551616}', b'{"x":-9223372036854775809}', b"[1e400]"]
+    texts += [b'{"n":NaN}', b'"\\ud800"', b"\xef\xbb\xbf{}", b"{} ", b" [1] ", b"-0", b"1.0", b"{}x"]
+    for _ in range(8000):
+        texts.append(_mutated(rng, _json_compact({"v": _random_value(rng)})))
+    for raw in texts:
+        got = orjson_loads(raw)
+        if got is NOT_SURE:
+            continue
+        fast += 1
+        expected = json.loads(raw.decode("utf-8"))  # must not raise: orjson accepted it
+        assert _same(got, expected), raw
+    assert fast > 2000
