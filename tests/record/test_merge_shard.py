@@ -1,5 +1,6 @@
-"""The per-shard part of a merge (record/_merge_shard.py), through merge_shards: when shards may be kept
-on their own, and the attempt index a record without one has."""
+"""The two ways of a merge (record/_merge_shard.py, record/merge.py), through merge_shards: when shards may
+be kept on their own, the attempt index a record without one has, the general way's counts, temp files and
+key layout, and the argument and identity errors word for word."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _counts(result: Any) -> tuple[int, ...]:
             id="a-later-rollout-at-the-seam",
         ),
         pytest.param(
-            # the same failure attempt at the seam: one kept, the other a duplicate; terminal once
+            # the same failure attempt at the seam: a's is kept, b's (terminal) is a duplicate
             [
                 [fail(0, 0, src="a"), fail(3, 2, 1, src="a")],
                 [fail(3, 2, 1, _ng_failure_terminal=True, src="b")],
