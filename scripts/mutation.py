@@ -57,11 +57,20 @@ MODULES: dict[str, tuple[str, ...]] = {
     ),
     "record/merge.py": (
         "tests/record/test_merge.py",
+        "tests/record/test_merge_shard.py",
         # 400 merges (5 s) covering every function: it pins the fast parser's verdicts, which the crafted
         # and random runs check too
         "-tests/record/test_merge.py::test_merge_classifies_mutated_lines_like_the_jsonl_reader",
         # spawn-pool tests (15 s each under mutmut: every pool process imports the mutated package); the
         # pool-only branches they cover are triaged by hand in README's mutation section
+        "-tests/record/test_merge.py::test_process_pool_writes_the_same_bytes_and_counts_as_in_process",
+        "-tests/record/test_merge.py::test_error_in_a_pool_process_surfaces_like_in_process",
+    ),
+    "record/_merge_shard.py": (
+        "tests/record/test_merge.py",
+        "tests/record/test_merge_shard.py",
+        # spawn-pool tests (15 s each under mutmut: every pool process imports the mutated package); the
+        # per-shard functions they run in a pool run in-process in every other test
         "-tests/record/test_merge.py::test_process_pool_writes_the_same_bytes_and_counts_as_in_process",
         "-tests/record/test_merge.py::test_error_in_a_pool_process_surfaces_like_in_process",
     ),

@@ -87,71 +87,107 @@ TRIAGED: dict[str, dict[str, str]] = {
             "xǁShardRecorderǁfailure_recorder__mutmut_1",
         ),
     },
-    "record/merge.py": {
+    "record/_merge_shard.py": {
         **_same(
             "the read bound (the file's size at open) differs only for a file that grows or shrinks while "
-            "it is merged, which the docstring rules out (merge a run once its writers are done); a FIFO or "
-            "device has size 0 either way",
-            *(f"x__file_line_batches__mutmut_{n}" for n in (10, 15, 27, 28, 29)),
+            "it is merged, which merge.py's docstring rules out (merge a run once its writers are done); a "
+            "FIFO or device has size 0 either way; one more read of 0 bytes at the end",
+            *(f"x_file_line_batches__mutmut_{n}" for n in (10, 15, 27, 28, 29)),
         ),
+        **_same(
+            "spans sorted by (first, last), by the part's span or by their last identity: the same order "
+            "when no two overlap, and an overlap is found either way (sorted by last, l1 <= l2 and l1 < f2 "
+            "make the spans disjoint); equal spans compare the parts' distinct paths, never their tallies",
+            *(f"x_in_identity_order__mutmut_{n}" for n in (3, 5, 8, 9)),
+        ),
+        **_same(
+            "sentinels never equal to an entry's task, rollout or attempt (ints, or bytes from _entries)",
+            *(f"x_keep_lines__mutmut_{n}" for n in (5, 6, 7, 22)),
+        ),
+        **_same(
+            "flushing at 4,097 lines instead of 4,096", "x_keep_lines__mutmut_36", "x_keep_lines__mutmut_60"
+        ),
+        **_same(
+            "= instead of += on the outcome counts: both callers pass a Tally whose outcome counts are 0 (a "
+            "fresh one per shard in reduce_shard, per pass in _merge_sorted)",
+            *(f"x_keep_lines__mutmut_{n}" for n in (78, 80, 82, 84, 86, 88)),
+        ),
+        **_same(
+            "orjson is a fast path: a line it is not given, or refuses, goes to parse_record, which gives "
+            "the same verdict and values (test_merge_classifies_mutated_lines_like_the_jsonl_reader)",
+            *(f"x_read_shard__mutmut_{n}" for n in (21, 23, 25)),
+        ),
+        **_same(
+            "an index read as not an int on the fast path is read again exactly with parse_record: the "
+            "same task, rollout and attempt (None there becomes attempt 0, as .get(key, 0) gives)",
+            *(f"x_read_shard__mutmut_{n}" for n in (42, 43, 44, 45, 46, 48, 49, 50, 54, 56, 58)),
+        ),
+        **_same("the in-shard sequence only has to grow to keep file order", "x_read_shard__mutmut_85"),
+        **_same("file buffering: same bytes", "x_reduce_shard__mutmut_13", "x_reduce_shard__mutmut_19"),
+        **_same(
+            "a shard without lines (span None) is left out by in_identity_order before its paths are read",
+            "x_reduce_shard__mutmut_32",
+            "x_reduce_shard__mutmut_33",
+        ),
+    },
+    "record/merge.py": {
         **_same("a wider key layout than needed is still exact", "x__hex_digits__mutmut_3"),
         **_same(
-            "where the temp files go and their names: removed either way (tests check no '.merge-*' is "
-            "left); the location on the run's file system is not tested",
-            *(f"x__merge__mutmut_{n}" for n in (2, 3, 4, 5, 6, 7)),
+            "the name of the temp folder in the run folder: removed either way (tests check nothing is left)",
+            *(f"x__merge__mutmut_{n}" for n in (3, 5, 6, 7)),
+            *(f"x__merge_sorted__mutmut_{n}" for n in (3, 5, 6, 7)),
         ),
         **_same(
-            "names of intermediate files, one extra merge pass, file buffering: same bytes",
+            "the widened layout's size: any width that holds the indices gives the same order (a narrower "
+            "one than needed restarts again), and _WidthExceeded's exception argument is never shown",
+            "x__merge__mutmut_55",
+            "x__merge__mutmut_56",
+            "x__wide_key__mutmut_11",
+            "xǁ_WidthExceededǁ__init____mutmut_1",
+        ),
+        **_same(
+            "upper-case hex in the wide layout: a pass at width 16 keys every line by the packed key (an "
+            "index the packed key cannot hold needs more than 16 digits), wider passes every line by "
+            "_wide_key, so cases never mix; the kind and terminal digits are 0 or 1 either way",
+            "x__wide_key__mutmut_22",
+        ),
+        **_same(
+            "names of intermediate files, one extra merge pass, buffering and copy chunk sizes: same bytes",
             *(f"x__reduce_runs__mutmut_{n}" for n in (2, 3, 5, 6, 24)),
-            "x__sort_shard__mutmut_134",
+            "x__sort_shard__mutmut_65",
+            "x__append_file__mutmut_6",
+            "x__append_file__mutmut_9",
         ),
         **_same(
-            "the packed 64-bit key is a fast path: any struct.error falls back to the general layout, which "
-            "gives the same order",
-            "x__sort_shard__mutmut_4",
-            *(f"x__sort_shard__mutmut_{n}" for n in range(84, 101)),
+            "the packed 64-bit key is a fast path: a missing or None field raises struct.error, which falls "
+            "back to _wide_key's identical bytes (the offset's sign is killed by test_indices_just_past_the_"
+            "signed_64_bit_range_order_like_integers)",
+            *(f"x__sort_shard__mutmut_{n}" for n in range(12, 26)),
         ),
         **_same(
-            "the pydantic-core parser is a fast path: a line it does not take goes to parse_record, which "
-            "gives the same verdict",
-            *(f"x__sort_shard__mutmut_{n}" for n in (23, 25, 30, 31)),
+            "the attempt slice starting 2 digits earlier takes in the rollout's last digits and the kind, "
+            "equal for every failure of one identity (the only entries keep_lines compares attempts of)",
+            "x__entries__mutmut_20",
         ),
-        **_same(
-            "the in-shard sequence only has to grow in magnitude to keep file order",
-            "x__sort_shard__mutmut_78",
-            "x__sort_shard__mutmut_79",
-        ),
+        **_same("keep_lines never reads the sequence slot of an entry", "x__entries__mutmut_22"),
         **_same(
             "platforms without os.sched_getaffinity only",
             *(f"x__usable_cpus__mutmut_{n}" for n in (1, 5, 6, 7, 8)),
         ),
         **_same(
-            "one more widening pass, or upper-case hex in a pass that never mixes it with lower case",
-            "x__wide_key__mutmut_11",
-            "x__wide_key__mutmut_22",
-            "xǁ_WidthExceededǁ__init____mutmut_1",
-            "x_merge_shards__mutmut_124",
-            "x_merge_shards__mutmut_125",
-        ),
-        **_same(
-            "sentinels never equal to a temp line's digits; flushing at 4,097 lines instead of 4,096; one "
-            "_write_merged call per tally",
-            *(f"x__write_merged__mutmut_{n}" for n in (24, 25, 35, 36, 49, 69, 81, 83, 85, 87, 89, 91)),
-        ),
-        **_same(
             "the default fan_in bounds open files only; the output is the same", "x_merge_shards__mutmut_3"
         ),
         **_same(
-            "pool only: killed by test_process_pool_writes_the_same_bytes_and_counts_as_in_process / "
-            "test_error_in_a_pool_process_surfaces_like_in_process, deselected in the mutation run (15 s "
-            "each: every pool process imports the mutated package)",
-            "x__merge__mutmut_13",
-            "x_merge_shards__mutmut_111",
-            *(f"x__sort_shards__mutmut_{n}" for n in range(13, 28)),
+            "pool only: killed by test_process_pool_writes_the_same_bytes_and_counts_as_in_process, "
+            "deselected in the mutation run (15 s: every pool process imports the mutated package); "
+            "in-process sorting of the general way writes the same bytes",
+            "x__each_shard__mutmut_23",
+            "x__merge__mutmut_42",
+            "x__merge_sorted__mutmut_13",
         ),
         **_same(
             "a sorting process that dies (BrokenExecutor): not produced by any test",
-            "x_merge_shards__mutmut_132",
+            "x_merge_shards__mutmut_119",
         ),
     },
     "dispatch/_completion.py": {
@@ -340,6 +376,15 @@ TRIAGED: dict[str, dict[str, str]] = {
     },
     "distributed/driver.py": {
         **_same("specs is assigned before it is read", "xǁShardDriverǁ_plan_loop__mutmut_2"),
+        **_same(
+            "the clock argument is stored but never read by the driver", "xǁShardDriverǁ__init____mutmut_7"
+        ),
+        **_same(
+            "initial value replaced before any read: _cond() creates the planner task before stop_planning "
+            "reads it",
+            "xǁShardDriverǁ__init____mutmut_9",
+        ),
+        **_same(_NONE_FALSE, "xǁShardDriverǁ__init____mutmut_15"),
     },
     "dispatch/engine.py": {
         **_same(

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,22 @@ import pytest
 
 from gym_ray import keys
 from gym_ray.distributed.driver import ShardDriver, ShardFailure, driver_max_concurrency
-from gym_ray.errors import InputError, InternalError, NoProgressError, ShardIOError, ShardLockError
+from gym_ray.errors import (
+    InputError,
+    InternalError,
+    NoProgressError,
+    RecordError,
+    ShardIOError,
+    ShardLockError,
+)
 from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.plan.shards import iter_plan
 from gym_ray.record.shard_files import shard_paths
 from gym_ray.run.collect import ShardSpec
+
+# Each test takes well under a second; a driver bug that never wakes a waiter (a mutant under
+# scripts/mutation.py) fails here instead of hanging for the suite's 120 s.
+pytestmark = pytest.mark.timeout(10)
 
 
 def _specs(count: int, pulled: list[str] | None = None) -> Iterator[ShardSpec]:
@@ -133,12 +145,13 @@ async def test_planning_stays_at_most_lookahead_shards_ahead_of_the_hand_out() -
     assert len(pulled) == 4
 
 
-async def test_a_planning_error_is_kept_and_stops_the_hand_out() -> None:
+async def test_a_planning_error_is_kept_and_stops_the_hand_out(caplog: pytest.LogCaptureFixture) -> None:
     def planner() -> Iterator[ShardSpec]:
         yield from _specs(1)
         raise InputError("rows.jsonl line 7: not JSON; fix the line", path="rows.jsonl", line=7)
 
     driver = ShardDriver(planner, lookahead=1)
+    caplog.set_level(logging.INFO, logger=driver_logger)
     first = await driver.next_shard("w0")
     assert first is not None
     await _settle()
@@ -147,6 +160,60 @@ async def test_a_planning_error_is_kept_and_stops_the_hand_out() -> None:
     assert isinstance(status.plan_error, InputError)
     assert (status.plan_error.line, status.finished) == (7, True)
     await driver.close()
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == driver_logger] == [
+        ("ERROR", "driver: planning failed: rows.jsonl line 7: not JSON; fix the line")
+    ]
+
+
+def _lazy_planner(run_dir: Path, consumed: list[int]) -> Any:
+    """iter_plan over 100 rows in shards of 10, streamed: it cuts one shard per step."""
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for task in range(100):
+            consumed.append(task)
+            yield {keys.TASK_INDEX: task, keys.ROLLOUT_INDEX: 0}
+
+    return functools.partial(iter_plan, rows(), run_dir, config_identity=None, shard_size=10)
+
+
+async def test_stop_planning_returns_once_the_lazy_planner_is_closed(tmp_path: Path) -> None:
+    consumed: list[int] = []
+    driver = ShardDriver(_lazy_planner(tmp_path, consumed), lookahead=1)
+    assert (await driver.next_shard("w0")) is not None
+    await driver.stop_planning()
+    # joined: the planner was closed before stop_planning returned (staging folder gone, no more rows read)
+    assert _leftovers(tmp_path) == ([], None)
+    read = len(consumed)
+    await _settle()
+    assert len(consumed) == read
+    await driver.close()
+
+
+async def test_a_lazy_planner_stopped_by_an_error_is_closed_at_once(tmp_path: Path) -> None:
+    """The error kept as ``plan_error`` holds the planning frame (its traceback), so the planner is not
+    freed; it is closed all the same once planning is joined: its staging folder goes now, not when the
+    driver is dropped."""
+
+    async def on_planned(spec: ShardSpec | None) -> None:
+        raise RecordError("the coordinator could not record shard 00000")
+
+    driver = ShardDriver(_lazy_planner(tmp_path, []), lookahead=1, on_planned=on_planned)
+    status = await driver.wait_finished()
+    assert str(status.plan_error) == "the coordinator could not record shard 00000"
+    await driver.stop_planning()
+    assert _leftovers(tmp_path) == ([], None)
+    await driver.close()
+
+
+async def test_a_planner_that_returns_a_list_hands_out_every_shard_and_closes_cleanly() -> None:
+    driver = ShardDriver(lambda: list(_specs(2)), lookahead=1)
+    for _ in range(2):
+        spec = await driver.next_shard("w0")
+        assert spec is not None
+        assert await driver.shard_finished("w0", spec.shard) is True
+    status = await driver.wait_finished()
+    assert (status.completed, status.plan_done, status.plan_error) == (2, True, None)
+    await driver.close()  # a list's iterator has no close(): nothing to close, nothing raised
 
 
 @pytest.mark.parametrize(
@@ -344,3 +411,31 @@ async def test_a_shard_report_is_counted_once_with_its_accepted_completion() -> 
     status = await driver.wait_finished()
     assert (status.completed, status.requeued_total) == (1, 1)
     await driver.close()
+
+
+def test_a_planner_cancelled_during_a_step_is_not_closed_under_that_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The actor's loop shutting down cancels the planner task while a planning step runs in its thread:
+    the planner is then left to finish that step (closing an executing generator raises), nothing logged."""
+    stepping, release = threading.Event(), threading.Event()
+    steps: list[str] = []
+
+    def planner() -> Iterator[ShardSpec]:
+        yield from _specs(1)
+        stepping.set()
+        steps.append("released" if release.wait(30) else "timed out")
+        yield from _specs(1)
+
+    async def serve() -> None:
+        driver = ShardDriver(planner, lookahead=5)
+        await driver.start()
+        await asyncio.to_thread(stepping.wait, 30)
+        # returning leaves the planner task mid-step: asyncio.run cancels it, then waits for the
+        # step's thread, which this releases
+        asyncio.get_running_loop().call_later(0.05, release.set)
+
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        asyncio.run(serve())
+    assert steps == ["released"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
