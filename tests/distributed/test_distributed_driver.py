@@ -30,8 +30,9 @@ from gym_ray.record.shard_files import shard_paths
 from gym_ray.run.collect import ShardSpec
 
 # Each test takes well under a second; a driver bug that never wakes a waiter (a mutant under
-# scripts/mutation.py) fails here instead of hanging for the suite's 120 s.
-pytestmark = pytest.mark.timeout(10)
+# scripts/mutation.py) fails here instead of hanging for the suite's 120 s (30 s leaves room for a
+# loaded CI machine).
+pytestmark = pytest.mark.timeout(30)
 
 
 def _specs(count: int, pulled: list[str] | None = None) -> Iterator[ShardSpec]:
