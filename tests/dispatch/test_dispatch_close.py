@@ -231,12 +231,14 @@ async def test_bounded_admission_is_lazy_and_ordered() -> None:
 
     it: CompletionIterator[int, int] = CompletionIterator(source(), started(log), max_resident_tasks=3)
     first = next(it)
-    await asyncio.sleep(0.01)
+    for _ in range(20):  # the loop gets many turns to start anything it would start (none of them waits)
+        await asyncio.sleep(0)
     assert log == []
     assert pulled == [0]
     assert it.admitted == 0  # admission starts when the first item is awaited, not when it is handed out
     assert await first == 0
-    await asyncio.sleep(0.01)
+    for _ in range(200):  # the bound refills as row 0 ends: rows 1-3 start, and no more
+        await asyncio.sleep(0)
     assert log == [0, 1, 2, 3]
     assert it.admitted == 4
     assert sorted([await first2 for first2 in it]) == list(range(1, 10))
