@@ -50,6 +50,7 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/record/test_contracts.py::test_ledger_counts_every_extra_line_of_triplicates_and_several_"
         "duplicated_identities",
     ),
+    "_json.py": ("tests/test_json_equivalence.py", "tests/record/test_records.py"),
     "plan/resume.py": (
         "tests/plan/test_resume.py",
         "tests/plan/test_resume_messages.py",

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gym_ray._json import NOT_SURE, dumps_compact, orjson_loads, orjson_text
+from gym_ray._json import NOT_SURE, dumps_compact, loads, orjson_loads, orjson_text
 
 
 class Colour(enum.IntEnum):
@@ -174,3 +174,29 @@ def test_orjson_reads_only_what_json_reads_and_reads_it_the_same() -> None:
         expected = json.loads(raw.decode("utf-8"))  # must not raise: orjson accepted it
         assert _same(got, expected), raw
     assert fast > 2000
+
+
+def test_loads_gives_json_loads_value_or_error_for_every_text() -> None:
+    """What the /run client reads a reply with: json.loads' value (types included) or a ValueError."""
+    rng = random.Random(3)
+    texts = [
+        b'{"x":18446744073709551616}',
+        b'{"n":NaN}',
+        b"[1e400]",
+        '{"u":"é"}'.encode("utf-16"),
+        b"{}x",
+        b"",
+    ]
+    texts += [_mutated(rng, _json_compact({"v": _random_value(rng)})) for _ in range(3000)]
+    for raw in texts:
+        try:
+            expected: Any = json.loads(raw)
+        except ValueError as exc:
+            expected = exc
+        if isinstance(expected, ValueError):
+            with pytest.raises(type(expected)) as raised:
+                loads(raw)
+            assert str(raised.value) == str(expected)  # json's own message
+        else:
+            assert _same(loads(raw), expected), raw
+    assert loads(b'{"x":18446744073709551616}') == {"x": 18446744073709551616}  # exact, not a float
