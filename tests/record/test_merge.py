@@ -159,6 +159,18 @@ def _reference_counts(shards: list[list[dict[str, Any]]]) -> dict[str, int]:
     return counts
 
 
+def counts_of(result: Any) -> tuple[int, ...]:
+    """A merge's six kept/dropped counts, in ``_reference_counts``' order."""
+    return (
+        result.successes,
+        result.failures,
+        result.terminal_failures,
+        result.duplicate_successes_dropped,
+        result.superseded_failures_dropped,
+        result.duplicate_failures_dropped,
+    )
+
+
 @pytest.mark.parametrize("disjoint", [pytest.param(False, id="shared"), pytest.param(True, id="disjoint")])
 @pytest.mark.parametrize("seed", [pytest.param(seed, id=f"seed-{seed}") for seed in range(4)])
 def test_merge_matches_the_rules_on_random_runs(tmp_path: Path, seed: int, disjoint: bool) -> None:
@@ -189,15 +201,7 @@ def test_merge_matches_the_rules_on_random_runs(tmp_path: Path, seed: int, disjo
     expected_successes, expected_failures = _reference_merge(shards)
     assert read(tmp_path / "rollouts.jsonl") == expected_successes
     assert read(tmp_path / "rollouts_failures.jsonl") == expected_failures
-    counts = (
-        result.successes,
-        result.failures,
-        result.terminal_failures,
-        result.duplicate_successes_dropped,
-        result.superseded_failures_dropped,
-        result.duplicate_failures_dropped,
-    )
-    assert counts == tuple(_reference_counts(shards).values())
+    assert counts_of(result) == tuple(_reference_counts(shards).values())
 
 
 def test_merge_replaces_previous_output_and_honours_the_prefix(tmp_path: Path) -> None:

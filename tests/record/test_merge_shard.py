@@ -15,18 +15,15 @@ from gym_ray import keys
 from gym_ray.errors import ConfigError, InputError
 from gym_ray.record.merge import merge_shards
 from gym_ray.record.shard_files import shard_paths
-from tests.record.test_merge import _reference_counts, _reference_merge, fail, read, rec, write_shard
-
-
-def _counts(result: Any) -> tuple[int, ...]:
-    return (
-        result.successes,
-        result.failures,
-        result.terminal_failures,
-        result.duplicate_successes_dropped,
-        result.superseded_failures_dropped,
-        result.duplicate_failures_dropped,
-    )
+from tests.record.test_merge import (
+    _reference_counts,
+    _reference_merge,
+    counts_of,
+    fail,
+    read,
+    rec,
+    write_shard,
+)
 
 
 @pytest.mark.parametrize(
@@ -70,7 +67,7 @@ def test_shards_meeting_at_one_identity_are_merged_not_concatenated(
     expected_successes, expected_failures = _reference_merge(shards)
     assert read(tmp_path / "rollouts.jsonl") == expected_successes
     assert read(tmp_path / "rollouts_failures.jsonl") == expected_failures
-    assert _counts(result) == expected == tuple(_reference_counts(shards).values())
+    assert counts_of(result) == expected == tuple(_reference_counts(shards).values())
 
 
 def test_shards_meeting_at_the_seam_keep_the_first_shard_s_line(tmp_path: Path) -> None:
@@ -100,7 +97,7 @@ def test_a_failure_without_attempt_index_is_attempt_0(tmp_path: Path, task: int)
         "absent",
         "a",
     ]
-    assert _counts(result) == (0, 2, 0, 0, 0, 1)
+    assert counts_of(result) == (0, 2, 0, 0, 0, 1)
 
 
 def test_the_general_merge_counts_the_skipped_lines_of_every_shard(tmp_path: Path) -> None:
@@ -120,7 +117,7 @@ def test_the_general_merge_counts_the_skipped_lines_of_every_shard(tmp_path: Pat
     )
     assert (tmp_path / "rollouts_failures.jsonl").read_bytes() == b""
     assert (result.corrupt_lines, result.omitted_rows_skipped) == (4, 3)
-    assert _counts(result) == (2, 0, 0, 1, 1, 0)
+    assert counts_of(result) == (2, 0, 0, 1, 1, 0)
 
 
 @pytest.mark.parametrize("shared", [pytest.param(False, id="disjoint"), pytest.param(True, id="shared")])
@@ -135,7 +132,7 @@ def test_temp_files_go_under_the_run_folder_not_the_system_temp_folder(
     write_shard(run_dir, "a", [rec(0, 0, src="a"), rec(1, 0, src="a")])
     write_shard(run_dir, "b", [rec(1 if shared else 2, 0, src="b")])
     result = merge_shards(run_dir)
-    assert _counts(result) == ((2, 0, 0, 1, 0, 0) if shared else (3, 0, 0, 0, 0, 0))
+    assert counts_of(result) == ((2, 0, 0, 1, 0, 0) if shared else (3, 0, 0, 0, 0, 0))
     assert sorted(p.name for p in run_dir.iterdir() if not p.name.startswith("rollouts-")) == [
         "rollouts.jsonl",
         "rollouts_failures.jsonl",
@@ -154,7 +151,7 @@ def test_failure_attempts_that_differ_only_in_high_digits_stay_apart(tmp_path: P
     result = merge_shards(tmp_path)
     assert [r["src"] for r in read(tmp_path / "rollouts_failures.jsonl")] == ["a", "a", "b"]
     assert read(tmp_path / "rollouts_failures.jsonl") == _reference_merge(shards)[1]
-    assert _counts(result) == (0, 3, 0, 0, 0, 1)
+    assert counts_of(result) == (0, 3, 0, 0, 0, 1)
 
 
 @pytest.mark.parametrize(
