@@ -372,7 +372,8 @@ class ShardWriter:
         with self._lock.held():
             current = self._lock.read_token(len(self._token) + 1)
             if current != self._token:
-                raise self._stale(action, current)
+                # the short read only compares; the new holder's token may be longer than this one's
+                raise self._stale(action, self._lock.read_token())
             if action != "fsync":
                 self._wrote = True
             yield

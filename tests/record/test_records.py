@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import random
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -303,6 +304,18 @@ def test_second_opener_takes_the_shard_and_the_first_writes_nothing(tmp_path: Pa
     assert paths.lock.stat().st_ino == inode
     token = json.loads(paths.lock.read_bytes())
     assert sorted(token) == ["host", "opened_at", "pid", "run_id", "token"]
+
+
+def test_a_stale_writer_names_a_new_holder_whose_token_is_longer_than_its_own(tmp_path: Path) -> None:
+    """The holder is named whatever the two tokens' lengths (the check reads only as much as its own)."""
+    first = writer(tmp_path, clock=lambda: 1.0).open()  # "opened_at":1.0
+    second = writer(tmp_path, clock=lambda: 1764630000.1234567).open()  # 15 bytes longer
+    with pytest.raises(ShardLockError) as info:
+        first.append(row(0, 0))
+    assert f"(a newer worker owns it: pid {os.getpid()} on {socket.gethostname()})" in str(info.value)
+    assert (info.value.holder_pid, info.value.holder_host) == (os.getpid(), socket.gethostname())
+    first.close()
+    second.close()
 
 
 # --- torn tails -----------------------------------------------------------------------------------
