@@ -45,7 +45,6 @@ stamping) is in ``gym_ray.streaming.row_feed``, the resume skip set (``recorded_
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import uuid
@@ -302,9 +301,9 @@ class RolloutStream(StreamControls):
         self._topology = run.topology
         self._settings = run.settings  # strict_json, server_outage_timeout_s, max_infra_retries
         if not ray.is_initialized():
-            from gym_ray.distributed.placement import ray_init_kwargs
+            from gym_ray.distributed.placement import start_ray
 
-            await asyncio.to_thread(functools.partial(ray.init, **ray_init_kwargs(self._address)))
+            await asyncio.to_thread(start_ray, self._address)
             self._owns_ray = True
         done: set[tuple[int, int]] = set()
         if self._resume and self._record_dir is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
+
 from gym_ray.distributed.placement import WorkerPlacement, ray_init_kwargs
 
 HEAD, A, B = ("0" * 56, "a" * 56, "b" * 56)
@@ -78,3 +80,23 @@ def test_no_move_when_the_crowded_node_has_a_single_worker() -> None:
     assert _chosen(placement, ["w0", "w1"], set()) == [A, B]
     nodes.append(_node(X, 4))
     assert placement.worker_to_move(["w0", "w1"]) is None  # moving one would only empty another node
+
+
+def test_the_lean_head_parameters_hold_only_while_ray_init_builds_a_head() -> None:
+    from ray._private import parameter
+
+    from gym_ray.distributed.placement import LEAN_HEAD_PARAMS, _lean_head
+
+    original = parameter.RayParams
+    assert LEAN_HEAD_PARAMS == {"no_monitor": True, "include_log_monitor": False}
+    with _lean_head() as lean:
+        assert lean is True
+        params = parameter.RayParams()
+        assert (params.no_monitor, params.include_log_monitor) == (True, False)
+        explicit = parameter.RayParams(no_monitor=False)  # a caller's own value wins
+        assert explicit.no_monitor is False
+    assert parameter.RayParams is original
+    with pytest.raises(RuntimeError, match="boom"), _lean_head():
+        raise RuntimeError("boom")
+    assert parameter.RayParams is original  # put back when ray.init fails, too
+    assert original().include_log_monitor is None  # Ray's own default is untouched

@@ -43,6 +43,11 @@ def ray_sessions(ray_tmp: Path) -> list[str]:
     return sorted(p.name for p in root.glob("session_*")) if root.exists() else []
 
 
+def ray_log_stems(ray_tmp: Path) -> set[str]:
+    """The log file stems of every Ray session under ``ray_tmp`` (``gcs_server``, ``raylet``, ...)."""
+    return {p.name.split(".")[0] for p in (ray_tmp / "ray").glob("session_*/logs/*.*")}
+
+
 def gym_ray(
     args: Sequence[str], *, cwd: Path, ray_tmp: Path | None = None, timeout_s: float = 240.0
 ) -> subprocess.CompletedProcess[str]:
