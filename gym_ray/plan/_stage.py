@@ -1,8 +1,9 @@
 """Cutting rows into shard files in a staging folder (the write half of :mod:`gym_ray.plan.shards`).
 
-Each shard's rows are encoded as compact JSON lines (``json``'s bytes, through orjson where provably equal),
-written in batches of :data:`_WRITE_BATCH` lines and digested as written, so a shard's manifest needs no
-second read of its file. Memory holds one batch of lines and the shard's attempt plan.
+Each shard's rows are encoded as compact JSON lines (``json``'s bytes, through orjson where provably equal:
+:func:`gym_ray._json.dumps_compact_lines`), in batches of :data:`_WRITE_BATCH` rows, written and digested
+as encoded, so a shard's manifest needs no second read of its file. Memory holds one batch of rows and the
+shard's attempt plan.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 from gym_ray import keys
-from gym_ray._json import dumps_compact, orjson_text
+from gym_ray._json import dumps_compact_lines
 from gym_ray.errors import UsageError
 from gym_ray.record.manifest import AttemptPlanEntry
 
@@ -60,14 +61,14 @@ def _stage_rows(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Ite
     last_task: Any = object()
     digest = hashlib.sha256()
     plan: list[AttemptPlanEntry] = []
-    lines: list[bytes] = []
+    batch: list[dict[str, Any]] = []
     out = None
     task_key, rollout_key, attempt_key = keys.TASK_INDEX, keys.ROLLOUT_INDEX, keys.ATTEMPT_INDEX
     try:
         for position, row in enumerate(rows):
             task = row.get(task_key)
             if out is not None and len(plan) >= size and task != last_task:
-                _write_lines(out, digest, lines)
+                _write_rows(out, digest, batch)
                 out.close()
                 out = None
                 yield Staged(shard_label(index), len(plan), digest.hexdigest(), plan)
@@ -81,15 +82,14 @@ def _stage_rows(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Ite
                     f"row {position} has no integer {keys.TASK_INDEX}/{keys.ROLLOUT_INDEX}; "
                     "pass rows through preprocess_examples before planning a run"
                 )
-            text = orjson_text(row)
-            lines.append(dumps_compact(row) if text is None else text)
-            if len(lines) >= _WRITE_BATCH:
-                _write_lines(out, digest, lines)
+            batch.append(row)
+            if len(batch) >= _WRITE_BATCH:
+                _write_rows(out, digest, batch)
             attempt = row.get(attempt_key)  # as ShardManifest.build reads it back
             plan.append((task, rollout, attempt if type(attempt) is int else 0))
             last_task = task
         if out is not None:
-            _write_lines(out, digest, lines)
+            _write_rows(out, digest, batch)
             out.close()
             out = None
             yield Staged(shard_label(index), len(plan), digest.hexdigest(), plan)
@@ -98,11 +98,10 @@ def _stage_rows(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Ite
             out.close()
 
 
-def _write_lines(out: BinaryIO, digest: Any, lines: list[bytes]) -> None:
-    """Write ``lines`` (each without its newline) to ``out`` and into ``digest``; empties ``lines``."""
-    if lines:
-        lines.append(b"")
-        block = b"\n".join(lines)
+def _write_rows(out: BinaryIO, digest: Any, batch: list[dict[str, Any]]) -> None:
+    """Write ``batch`` as JSON lines to ``out`` and into ``digest``; empties ``batch``."""
+    if batch:
+        block = dumps_compact_lines(batch)
         out.write(block)
         digest.update(block)
-        lines.clear()
+        batch.clear()
