@@ -1,6 +1,6 @@
 """Reading an input file: JSONL rows streamed and checked line by line (PROTOCOL.md section 4).
 
-``load_jsonl`` holds one line at a time; every problem is an :class:`~gym_ray.errors.InputError` naming the
+``load_jsonl`` holds about 1 MiB of whole lines at a time (one longer line at most); every problem is an :class:`~gym_ray.errors.InputError` naming the
 file and the 1-based line.
 """
 
@@ -143,7 +143,8 @@ def load_jsonl(
 
     Every line must be one JSON object in UTF-8: a flat row with ``responses_create_params`` or a
     materialized task row (``task_id: {taskset, task_id}`` and ``task_input``). A UTF-8 BOM on the first
-    line is accepted. Only one line is held in memory at a time.
+    line is accepted. About 1 MiB of whole lines is held in memory at a time (or one line up to
+    ``max_line_bytes``).
 
     Args:
         path: The JSONL file.
