@@ -1,7 +1,7 @@
 """Reading an input file: JSONL rows streamed and checked line by line (PROTOCOL.md section 4).
 
-``load_jsonl`` holds about 1 MiB of whole lines at a time (one longer line at most); every problem is an :class:`~gym_ray.errors.InputError` naming the
-file and the 1-based line.
+``load_jsonl`` holds about 1 MiB of whole lines at a time (one longer line at most); every problem is an
+:class:`~gym_ray.errors.InputError` naming the file and the 1-based line.
 """
 
 from __future__ import annotations
