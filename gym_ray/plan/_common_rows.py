@@ -63,13 +63,38 @@ class CommonRows:
         self._take = next_rollout.take
         self._keys_seen = keys_seen
 
+    def number(self, row: Any) -> str | None:
+        """Number ``row``'s task as :meth:`expand` would, building no rows and taking no rollout number
+        (planning's validation pass); return its agent, or None (nothing numbered) as :meth:`expand`."""
+        found = self._numbered(row)
+        return None if found is None else found[1]
+
     def expand(self, row: Any) -> list[dict[str, Any]] | None:
         """The output rows of ``row``, or None (nothing changed) when the general path must expand it."""
+        found = self._numbered(row)
+        if found is None:
+            return None
+        task = found[0]
+        base = dict(row)
+        base[_PARAMS] = dict(row[_PARAMS])  # the run-level overrides (none) merged over the row's own
+        base[_TASK] = task
+        take = self._take
+        if self._num_repeats == 1:
+            base[_ROLLOUT] = take(task)
+            return [base]
+        out = []
+        for _ in range(self._num_repeats):
+            item = dict(base)
+            item[_ROLLOUT] = take(task)
+            out.append(item)
+        return out
+
+    def _numbered(self, row: Any) -> tuple[int, str] | None:
+        """``(task index, agent)`` of a common row, its task numbered; None (nothing done) for another."""
         if type(row) is not dict or _TASK_ID in row or _ENV in row:
             return None
-        params = row.get(_PARAMS)
         ref = row.get(_AGENT_REF)
-        if type(params) is not dict or type(ref) is not dict:
+        if type(row.get(_PARAMS)) is not dict or type(ref) is not dict:
             return None
         agent = ref.get("name")
         if type(agent) is not str or not agent:
@@ -83,16 +108,4 @@ class CommonRows:
         elif type(task) is not int or task < 0:
             return None
         self._keys_seen.add(agent)
-        base = dict(row)
-        base[_PARAMS] = dict(params)  # the run-level overrides (none) merged over the row's own
-        base[_TASK] = task
-        take = self._take
-        if self._num_repeats == 1:
-            base[_ROLLOUT] = take(task)
-            return [base]
-        out = []
-        for _ in range(self._num_repeats):
-            item = dict(base)
-            item[_ROLLOUT] = take(task)
-            out.append(item)
-        return out
+        return task, agent

@@ -33,9 +33,10 @@ from pydantic import BaseModel, ConfigDict
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
-from gym_ray.errors import GymRayError, InputError, RecordError, ResumeError, UsageError
+from gym_ray.errors import GymRayError, InputError, InternalError, RecordError, ResumeError, UsageError
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan._stage import Staged, stage_shards
+from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows
 from gym_ray.plan.load import load_jsonl, non_finite_problem
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
 from gym_ray.plan.run_manifest import RUN_MANIFEST, open_run, read_run_manifest, write_run_manifest
@@ -362,19 +363,10 @@ def _finite_rows(rows: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any
         yield row
 
 
-def input_rows(
-    settings: RunSettings,
-    topology: Topology,
-    rows: Iterable[Mapping[str, Any]] | None = None,
-) -> Callable[..., Iterator[dict[str, Any]]]:
-    """A re-iterable source of the run's preprocessed rows (the input is read once per call).
-
-    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``, cut to the
-    first ``limit`` rows when ``limit`` is set. The returned callable takes an optional
-    ``task_numbering`` (see :func:`gym_ray.plan.preprocess.iter_preprocess`). With ``strict_json`` (the
-    default) a file's duplicate keys and non-finite numbers, and ``nan`` / ``inf`` in passed rows, raise
-    :class:`~gym_ray.errors.InputError` naming the file and line, or the row, while the rows are read.
-    """
+def _limited_rows(
+    settings: RunSettings, rows: Iterable[Mapping[str, Any]] | None
+) -> Callable[[], Iterable[Mapping[str, Any]]]:
+    """The input rows (read again on each call), cut to ``limit``: see :func:`input_rows`."""
     if rows is None:
         if settings.input_jsonl_fpath is None:
             raise UsageError(
@@ -398,6 +390,24 @@ def input_rows(
     def limited() -> Iterable[Mapping[str, Any]]:
         # The first ``limit`` input rows, before anything else (NeMo Gym 0.7's ``limit``).
         return source() if limit is None else itertools.islice(source(), limit)
+
+    return limited
+
+
+def input_rows(
+    settings: RunSettings,
+    topology: Topology,
+    rows: Iterable[Mapping[str, Any]] | None = None,
+) -> Callable[..., Iterator[dict[str, Any]]]:
+    """A re-iterable source of the run's preprocessed rows (the input is read once per call).
+
+    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``, cut to the
+    first ``limit`` rows when ``limit`` is set. The returned callable takes an optional
+    ``task_numbering`` (see :func:`gym_ray.plan.preprocess.iter_preprocess`). With ``strict_json`` (the
+    default) a file's duplicate keys and non-finite numbers, and ``nan`` / ``inf`` in passed rows, raise
+    :class:`~gym_ray.errors.InputError` naming the file and line, or the row, while the rows are read.
+    """
+    limited = _limited_rows(settings, rows)
 
     def preprocessed(task_numbering: TaskNumbering | None = None) -> Iterator[dict[str, Any]]:
         return iter_preprocess(
@@ -506,12 +516,23 @@ def iter_prepare_run(
         return
     with SpillDedupe() as dedupe:
         try:
-            validate_rows(counting(source(dedupe)), topology)
-        except GymRayError:
+            # From a file, common rows are validated without building their copies (None: not applicable)
+            found = (
+                None
+                if rows is not None
+                else count_valid_rows(_limited_rows(settings, None)(), settings, topology, dedupe)
+            )
+            if found is None:
+                validate_rows(counting(source(dedupe)), topology)
+            else:
+                counted = found
+        except (GymRayError, RowsInvalid) as exc:
             # The first pass numbers tasks with stand-ins; redo it with exact numbers so the error names
             # each row by its real task index (failing runs only).
             validate_rows(counting(source()), topology)
-            raise
+            if isinstance(exc, GymRayError):
+                raise
+            raise InternalError(f"the validation pass refused {exc}, which the general pass accepts") from exc
         replay = dedupe.replay()
         yield from plan(_checked(source(replay), replay))
 

@@ -216,6 +216,10 @@ class _Validator:
             self._clean[agent, source] = found
         return found
 
+    def found(self) -> bool:
+        """True when :meth:`check` has found a problem in some row."""
+        return bool(self.routing or self.names or self.pairing or self.fronts)
+
     def check(self, pos: int, row: Mapping[str, Any]) -> None:
         if type(row) is dict and keys.TASK_ID not in row and keys.ENVIRONMENT_SERVER not in row:
             # the common row: a plain dict naming its agent, not materialized, not stamped

@@ -63,6 +63,9 @@ def _config(tmp_path: Path, name: str, input_path: Path, **extra: Any) -> RunCon
 def _planned(tmp_path: Path, name: str, input_path: Path, **extra: Any) -> list[tuple[str, bytes, str]]:
     plan = prepare_run(_config(tmp_path, name, input_path, **extra))
     out = []
+    rows = 16 * extra.get("num_repeats", 1)
+    assert [spec.run_rows for spec in plan.shards] == [rows] * len(plan.shards)  # counted by pass 1
+    assert sum(spec.num_rows for spec in plan.shards) == rows
     for spec in plan.shards:
         inputs = tmp_path / name / f"rollouts-{spec.shard}_materialized_inputs.jsonl"
         manifest = read_manifest(tmp_path / name, spec.shard)
@@ -71,15 +74,15 @@ def _planned(tmp_path: Path, name: str, input_path: Path, **extra: Any) -> list[
     return out
 
 
-@pytest.mark.parametrize("num_repeats", [1, 3])
+@pytest.mark.parametrize(("num_repeats", "shard_size"), [(1, 4), (3, 4), (3, None)])
 def test_both_paths_plan_the_same_shard_files_byte_for_byte(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, num_repeats: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, num_repeats: int, shard_size: int | None
 ) -> None:
     input_path = tmp_path / "rows.jsonl"
     input_path.write_text("\n".join(_varied_lines()) + "\n", encoding="utf-8")
-    fast = _planned(tmp_path, "fast", input_path, shard_size=4, num_repeats=num_repeats)
+    fast = _planned(tmp_path, "fast", input_path, shard_size=shard_size, num_repeats=num_repeats)
     monkeypatch.setattr(_common_rows, "ENABLED", False)
-    general = _planned(tmp_path, "general", input_path, shard_size=4, num_repeats=num_repeats)
+    general = _planned(tmp_path, "general", input_path, shard_size=shard_size, num_repeats=num_repeats)
     assert fast == general
     numbers = [
         (row["_ng_task_index"], row["_ng_rollout_index"])
@@ -105,6 +108,11 @@ def test_both_paths_plan_the_same_shard_files_byte_for_byte(
             json.dumps(_row("q", _ng_task_index=-1)),
             "_ng_task_index must be an integer >= 0 [row 3 (task -1)]",
             id="task",
+        ),
+        pytest.param(
+            json.dumps({"responses_create_params": {}, "_ng_environment_server": "nope"}),
+            "environment server 'nope' is not in the running config",
+            id="stamp",
         ),
         pytest.param(
             json.dumps(_row("q", agent="arith_agnet")),
