@@ -1,6 +1,6 @@
 """Reading an input file: JSONL rows streamed and checked line by line (PROTOCOL.md section 4).
 
-``load_jsonl`` holds about 1 MiB of whole lines at a time (one longer line at most); every problem is an
+``load_jsonl`` holds about 64 KiB of whole lines at a time (one longer line at most); every problem is an
 :class:`~gym_ray.errors.InputError` naming the file and the 1-based line.
 """
 
@@ -75,7 +75,7 @@ _LENIENT_DECODER = json.JSONDecoder()
 
 _BOM = b"\xef\xbb\xbf"
 #: Bytes read at a time; lines are handled a block of whole lines at a time.
-_BLOCK_BYTES = 1 << 20
+_BLOCK_BYTES = 1 << 16
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _NINETEEN_DIGITS = b"0" * 19
 _TASK_ID = keys.TASK_ID
@@ -143,7 +143,7 @@ def load_jsonl(
 
     Every line must be one JSON object in UTF-8: a flat row with ``responses_create_params`` or a
     materialized task row (``task_id: {taskset, task_id}`` and ``task_input``). A UTF-8 BOM on the first
-    line is accepted. About 1 MiB of whole lines is held in memory at a time (or one line up to
+    line is accepted. About 64 KiB of whole lines is held in memory at a time (or one line up to
     ``max_line_bytes``).
 
     Args:
