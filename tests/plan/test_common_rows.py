@@ -63,7 +63,7 @@ def _config(tmp_path: Path, name: str, input_path: Path, **extra: Any) -> RunCon
 def _planned(tmp_path: Path, name: str, input_path: Path, **extra: Any) -> list[tuple[str, bytes, str]]:
     plan = prepare_run(_config(tmp_path, name, input_path, **extra))
     out = []
-    rows = 16 * extra.get("num_repeats", 1)
+    rows = (extra.get("limit") or 16) * extra.get("num_repeats", 1)
     assert [spec.run_rows for spec in plan.shards] == [rows] * len(plan.shards)  # counted by pass 1
     assert sum(spec.num_rows for spec in plan.shards) == rows
     for spec in plan.shards:
@@ -99,6 +99,29 @@ def test_both_paths_plan_the_same_shard_files_byte_for_byte(
             expected.append((task, seen.get(task, 0)))
             seen[task] = seen.get(task, 0) + 1
     assert numbers == expected
+
+
+def test_with_a_limit_both_paths_plan_the_first_rows_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    input_path = tmp_path / "rows.jsonl"
+    input_path.write_text("\n".join(_varied_lines()) + "\n", encoding="utf-8")
+    fast = _planned(tmp_path, "fast", input_path, limit=5, num_repeats=2)
+    monkeypatch.setattr(_common_rows, "ENABLED", False)
+    assert fast == _planned(tmp_path, "general", input_path, limit=5, num_repeats=2)
+    planned = [json.loads(line) for _, data, _ in fast for line in data.decode("utf-8").splitlines()]
+    assert [r["responses_create_params"]["input"] for r in planned] == [
+        "q0",
+        "q0",
+        "q1",
+        "q1",
+        "q0",
+        "q0",
+        "q2",
+        "q2",
+        "q3",
+        "q3",
+    ]
 
 
 @pytest.mark.parametrize(
