@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from gym_ray.config.run_config import RunConfig
-from gym_ray.errors import GymRayError
+from gym_ray.errors import GymRayError, InputError
 from gym_ray.plan import _common_rows
 from gym_ray.plan._common_rows import CommonRows
 from gym_ray.plan._compact_index import CompactIndex, DenseCounters
-from gym_ray.plan.shards import prepare_run
+from gym_ray.plan.shards import iter_prepare_run, prepare_run
 from gym_ray.record.manifest import read_manifest
 from gym_ray.servers import load_bundled_config
 
@@ -193,3 +193,17 @@ def test_the_common_path_takes_a_plain_row_and_hands_back_every_other_shape() ->
     # nothing numbered or counted for the rows handed back
     assert len(index) == 1
     assert counters.get(0) == 2
+
+
+def test_an_input_edited_between_the_two_passes_is_refused(tmp_path: Path) -> None:
+    # 3,000 rows (well over one read block): the first shard is cut while the end is still unread.
+    input_path = tmp_path / "rows.jsonl"
+    lines = [json.dumps(_row(f"q{i:05d}")) for i in range(3000)]
+    input_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    shards = iter_prepare_run(_config(tmp_path, "run", input_path, shard_size=10))
+    first = next(shards)
+    assert (first.num_rows, first.run_rows) == (10, 3000)
+    lines[-1] = lines[-1].replace("q02999", "z02999")  # same length, other content
+    input_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match=r"the input changed between .* \(the rows' contents differ\)"):
+        list(shards)
