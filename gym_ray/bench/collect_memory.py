@@ -19,7 +19,9 @@ and adds its own memory to the RSS figures.
 
 With ``stage="plan"`` (``gym-ray bench plan-memory``) the child only validates and plans the run folder
 (:func:`gym_ray.plan.shards.iter_prepare_run`: both passes over the input, shards written), no servers called:
-the figure for the planning stage alone.
+the figures for the planning stage alone. ``cpu_us_per_rollout`` is then the planning CPU per input row, and
+``first_shard_s`` the wall time from the start to the first committed shard (what a worker needs for its
+first ``/run``: the whole validation pass plus one shard cut); it is null for ``stage="collect"``.
 
 Each size's run folder and input file live in a temporary folder that is deleted after that size.
 
@@ -146,10 +148,14 @@ def _child(
             sampler.start()
         try:
             started, cpu_started = time.perf_counter(), time.process_time()
+            first_shard_s: float | None = None
             if stage == "plan":
                 cfg = {**config, "input_jsonl_fpath": input_path, "output_dir": output_dir, "num_repeats": 1}
-                planned = sum(spec.num_rows for spec in iter_prepare_run(RunConfig.from_dict(cfg)))
-                succeeded = failed = 0
+                planned = succeeded = failed = 0
+                for spec in iter_prepare_run(RunConfig.from_dict(cfg)):
+                    if first_shard_s is None:  # what a worker needs for its first /run
+                        first_shard_s = time.perf_counter() - started
+                    planned += spec.num_rows
             else:
                 result = asyncio.run(
                     acollect_local(
@@ -178,6 +184,7 @@ def _child(
             "wall_s": wall_s,
             "rollouts_per_s": done / wall_s if wall_s > 0 else 0.0,
             "cpu_us_per_rollout": cpu_s / done * 1e6 if done else 0.0,
+            "first_shard_s": first_shard_s,
         }
         if sampler is not None:
             _current, traced_peak = tracemalloc.get_traced_memory()
@@ -230,9 +237,10 @@ def run_collect_memory_bench(
 
     Returns:
         ``{"max_resident_tasks", "runs": [{"rows", "planned", "succeeded", "failed", "baseline_rss_mb",
-        "peak_rss_mb", "children_peak_rss_mb", "wall_s", "rollouts_per_s", "cpu_us_per_rollout"}, ...],
-        "peak_ratio", "max_peak_rss_mb"}`` where ``peak_ratio`` is the largest size's peak over the
-        smallest size's peak; also printed.
+        "peak_rss_mb", "children_peak_rss_mb", "wall_s", "rollouts_per_s", "cpu_us_per_rollout",
+        "first_shard_s"}, ...], "peak_ratio", "max_peak_rss_mb"}`` where ``peak_ratio`` is the largest
+        size's peak over the smallest size's peak; also printed. ``first_shard_s`` (``stage="plan"``
+        only, else None) is the wall time from the start of planning to the first committed shard.
 
     Raises:
         UsageError: ``sizes`` is empty or holds a count < 1, or ``trace_top`` < 0.
@@ -256,7 +264,8 @@ def run_collect_memory_bench(
             print(
                 f"{stage}-memory bench: rows={n} peak_rss={run['peak_rss_mb']:.1f} MB "
                 f"(baseline {run['baseline_rss_mb']:.1f} MB) wall={run['wall_s']:.1f} s "
-                f"{run['rollouts_per_s']:.0f} rollouts/s {run['cpu_us_per_rollout']:.0f} us CPU/rollout",
+                f"{run['rollouts_per_s']:.0f} rollouts/s {run['cpu_us_per_rollout']:.0f} us CPU/rollout"
+                + (f" first shard {run['first_shard_s']:.2f} s" if run["first_shard_s"] is not None else ""),
                 flush=True,
             )
     return peak_summary(f"{stage}-memory bench", runs, max_resident_tasks=max_resident_tasks)

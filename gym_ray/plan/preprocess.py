@@ -41,6 +41,7 @@ import orjson
 from gym_ray import keys
 from gym_ray.config.topology import Topology
 from gym_ray.errors import ConfigError, InputError, RoutingError
+from gym_ray.plan import _common_rows
 from gym_ray.plan._compact_index import CompactIndex, DenseCounters
 from gym_ray.plan.rows import (
     MAX_LISTED_ROWS,
@@ -218,6 +219,25 @@ class _Preprocessor:
         self.resolver = SourceResolver(topology) if topology is not None else None
         self.envs = frozenset(topology.environment_servers()) if topology is not None else frozenset()
         self.unresolved = Problems()
+        self.common: _common_rows.CommonRows | None = None
+        repeats = self.num_repeats
+        if _common_rows.ENABLED and from_json and isinstance(repeats, int) and self.knobs_keep_rows(topology):
+            self.common = _common_rows.CommonRows(
+                num_repeats=repeats,
+                task_index=self.task_index,
+                next_rollout=self.next_rollout,
+                keys_seen=self.keys_seen,
+            )
+
+    def knobs_keep_rows(self, topology: Topology | None) -> bool:
+        """True when no knob rewrites a flat row beyond its numbering (:mod:`._common_rows` applies)."""
+        mode = topology.routing_mode if topology is not None else keys.ROUTING_AGENT
+        return (
+            mode == keys.ROUTING_AGENT
+            and isinstance(self.num_repeats, int)
+            and not (self.agent_map or self.fan_out or self.add_seed or self.overrides)
+            and self.task_ids is None
+        )
 
     def route(self, pos: int, row: Mapping[str, Any]) -> str | None:
         """The environment server chosen for ``row`` at preprocessing, or None (front of its agent)."""
@@ -494,8 +514,14 @@ def iter_preprocess(
 
 
 def _in_order(state: _Preprocessor, examples: Iterable[Mapping[str, Any]]) -> Iterator[Row]:
-    for pos, row in enumerate(examples):
-        yield from state.expand(pos, row)
+    if state.common is None:
+        for pos, row in enumerate(examples):
+            yield from state.expand(pos, row)
+    else:
+        common = state.common.expand
+        for pos, row in enumerate(examples):
+            out = common(row)
+            yield from state.expand(pos, row) if out is None else out
     state.finish()
 
 

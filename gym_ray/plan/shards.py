@@ -26,22 +26,22 @@ import uuid
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from gym_ray import keys
-from gym_ray._json import dumps_compact
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
-from gym_ray.errors import GymRayError, InputError, RecordError, ResumeError, UsageError
+from gym_ray.errors import GymRayError, InputError, InternalError, RecordError, ResumeError, UsageError
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
+from gym_ray.plan._stage import Staged, stage_shards
+from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows
 from gym_ray.plan.load import load_jsonl, non_finite_problem
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
 from gym_ray.plan.run_manifest import RUN_MANIFEST, open_run, read_run_manifest, write_run_manifest
 from gym_ray.plan.validation import validate_rows
-from gym_ray.record.manifest import AttemptPlanEntry, ShardManifest
+from gym_ray.record.manifest import ShardManifest
 from gym_ray.record.writer import ShardWriter
 
 #: Largest automatic shard (rows); also the shard size of a plan cut without a known worker count.
@@ -92,14 +92,6 @@ class RunPlan(BaseModel):
 # planning
 
 
-def _shard_label(index: int) -> str:
-    return f"{index:05d}"
-
-
-def _row_line(row: Mapping[str, Any]) -> bytes:
-    return dumps_compact(row) + b"\n"
-
-
 def _shard_size(shard_size: int | None) -> int:
     size = shard_size or DEFAULT_SHARD_SIZE
     if size < 1:
@@ -146,7 +138,7 @@ def plan_run(
     staging = root / f".staging-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        staged = list(_stage_shards(rows, staging, size))
+        staged = list(stage_shards(rows, staging, size))
         if expected is not None and expected != len(staged):
             raise _shard_count_error(root, expected, len(staged))
         specs = [
@@ -269,7 +261,7 @@ def _iter_plan(
     staging.mkdir()
     count = planned = 0
     try:
-        for item in _stage_shards(rows, staging, size):
+        for item in stage_shards(rows, staging, size):
             if expected is not None and count >= expected:
                 raise _shard_count_error(root, expected, f"more than {expected}")
             spec = _commit_shard(
@@ -307,65 +299,8 @@ def _shard_count_error(root: Path, expected: int, got: int | str) -> ResumeError
     )
 
 
-class _Staged(NamedTuple):
-    """One shard cut into the staging folder: what its manifest needs, without reading the file back."""
-
-    label: str
-    num_rows: int
-    digest: str  # sha256 of the bytes written
-    attempt_plan: list[AttemptPlanEntry]
-
-
-def _stage_shards(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Iterator[_Staged]:
-    """Write each shard's rows to ``staging``; yields each shard once it is closed."""
-    try:
-        yield from _stage_rows(rows, staging, size)
-    except OSError as exc:
-        if exc.filename is None:  # a write or close error names no file: name the staging folder
-            exc.filename = str(staging)
-        raise
-
-
-def _stage_rows(rows: Iterable[dict[str, Any]], staging: Path, size: int) -> Iterator[_Staged]:
-    index = 0
-    last_task: Any = object()
-    digest = hashlib.sha256()
-    plan: list[AttemptPlanEntry] = []
-    out = None
-    try:
-        for position, row in enumerate(rows):
-            task = row.get(keys.TASK_INDEX)
-            if out is not None and len(plan) >= size and task != last_task:
-                out.close()
-                out = None
-                yield _Staged(_shard_label(index), len(plan), digest.hexdigest(), plan)
-                index, plan = index + 1, []
-            if out is None:
-                out = open(staging / f"{_shard_label(index)}.jsonl", "wb")
-                digest = hashlib.sha256()
-            rollout = row.get(keys.ROLLOUT_INDEX)
-            if type(task) is not int or type(rollout) is not int:
-                raise UsageError(
-                    f"row {position} has no integer {keys.TASK_INDEX}/{keys.ROLLOUT_INDEX}; "
-                    "pass rows through preprocess_examples before planning a run"
-                )
-            line = _row_line(row)
-            out.write(line)
-            digest.update(line)
-            attempt = row.get(keys.ATTEMPT_INDEX)  # as ShardManifest.build reads it back
-            plan.append((task, rollout, attempt if type(attempt) is int else 0))
-            last_task = task
-        if out is not None:
-            out.close()
-            out = None
-            yield _Staged(_shard_label(index), len(plan), digest.hexdigest(), plan)
-    finally:
-        if out is not None:
-            out.close()
-
-
 def _commit_shard(
-    staged: _Staged,
+    staged: Staged,
     staging: Path,
     root: Path,
     *,
@@ -428,19 +363,10 @@ def _finite_rows(rows: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any
         yield row
 
 
-def input_rows(
-    settings: RunSettings,
-    topology: Topology,
-    rows: Iterable[Mapping[str, Any]] | None = None,
-) -> Callable[..., Iterator[dict[str, Any]]]:
-    """A re-iterable source of the run's preprocessed rows (the input is read once per call).
-
-    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``, cut to the
-    first ``limit`` rows when ``limit`` is set. The returned callable takes an optional
-    ``task_numbering`` (see :func:`gym_ray.plan.preprocess.iter_preprocess`). With ``strict_json`` (the
-    default) a file's duplicate keys and non-finite numbers, and ``nan`` / ``inf`` in passed rows, raise
-    :class:`~gym_ray.errors.InputError` naming the file and line, or the row, while the rows are read.
-    """
+def _limited_rows(
+    settings: RunSettings, rows: Iterable[Mapping[str, Any]] | None
+) -> Callable[[], Iterable[Mapping[str, Any]]]:
+    """The input rows (read again on each call), cut to ``limit``: see :func:`input_rows`."""
     if rows is None:
         if settings.input_jsonl_fpath is None:
             raise UsageError(
@@ -464,6 +390,24 @@ def input_rows(
     def limited() -> Iterable[Mapping[str, Any]]:
         # The first ``limit`` input rows, before anything else (NeMo Gym 0.7's ``limit``).
         return source() if limit is None else itertools.islice(source(), limit)
+
+    return limited
+
+
+def input_rows(
+    settings: RunSettings,
+    topology: Topology,
+    rows: Iterable[Mapping[str, Any]] | None = None,
+) -> Callable[..., Iterator[dict[str, Any]]]:
+    """A re-iterable source of the run's preprocessed rows (the input is read once per call).
+
+    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``, cut to the
+    first ``limit`` rows when ``limit`` is set. The returned callable takes an optional
+    ``task_numbering`` (see :func:`gym_ray.plan.preprocess.iter_preprocess`). With ``strict_json`` (the
+    default) a file's duplicate keys and non-finite numbers, and ``nan`` / ``inf`` in passed rows, raise
+    :class:`~gym_ray.errors.InputError` naming the file and line, or the row, while the rows are read.
+    """
+    limited = _limited_rows(settings, rows)
 
     def preprocessed(task_numbering: TaskNumbering | None = None) -> Iterator[dict[str, Any]]:
         return iter_preprocess(
@@ -572,12 +516,23 @@ def iter_prepare_run(
         return
     with SpillDedupe() as dedupe:
         try:
-            validate_rows(counting(source(dedupe)), topology)
-        except GymRayError:
+            # From a file, common rows are validated without building their copies (None: not applicable)
+            found = (
+                None
+                if rows is not None
+                else count_valid_rows(_limited_rows(settings, None)(), settings, topology, dedupe)
+            )
+            if found is None:
+                validate_rows(counting(source(dedupe)), topology)
+            else:
+                counted = found
+        except (GymRayError, RowsInvalid) as exc:
             # The first pass numbers tasks with stand-ins; redo it with exact numbers so the error names
             # each row by its real task index (failing runs only).
             validate_rows(counting(source()), topology)
-            raise
+            if isinstance(exc, GymRayError):
+                raise
+            raise InternalError(f"the validation pass refused {exc}, which the general pass accepts") from exc
         replay = dedupe.replay()
         yield from plan(_checked(source(replay), replay))
 

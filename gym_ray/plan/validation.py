@@ -120,6 +120,7 @@ class _Validator:
         self._name_problem: dict[str, str | None] = {}
         self._pairing: dict[tuple[str, str | None, str | None, str | None], list[str]] = {}
         self._taskset_entries: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
+        self._clean: dict[tuple[str, str | None], bool] = {}
         for entry in topology.all_dataset_entries():
             if entry.taskset and entry.allowed_agents:
                 label = f"dataset entry '{entry.name}' declared by '{entry.declared_by}'"
@@ -199,7 +200,38 @@ class _Validator:
             self._fronted[env] = frozenset(self.topology.fronted_agents(env))
         return self._fronted[env]
 
+    def clean(self, agent: str, source: str | None) -> bool:
+        """True when :meth:`check` finds nothing in a flat row of ``agent`` and ``source`` without an
+        environment stamp (every check it runs on such a row depends on these two alone)."""
+        found = self._clean.get((agent, source))
+        if found is None:
+            found = (
+                self.name_problem(agent) is None
+                and (
+                    self.topology.allow_unsupported_pairing
+                    or not self.pairing_problems(agent, source, None, None)
+                )
+                and self.front_problem(agent) is None
+            )
+            self._clean[agent, source] = found
+        return found
+
+    def found(self) -> bool:
+        """True when :meth:`check` has found a problem in some row."""
+        return bool(self.routing or self.names or self.pairing or self.fronts)
+
     def check(self, pos: int, row: Mapping[str, Any]) -> None:
+        if type(row) is dict and keys.TASK_ID not in row and keys.ENVIRONMENT_SERVER not in row:
+            # the common row: a plain dict naming its agent, not materialized, not stamped
+            ref, source = row.get(keys.AGENT_REF), row.get(keys.TASK_SOURCE)
+            agent = ref.get("name") if type(ref) is dict else None
+            if (
+                type(agent) is str
+                and agent
+                and (source is None or type(source) is str)
+                and self.clean(agent, source or None)
+            ):
+                return
         topo = self.topology
         if not isinstance(row, dict | Mapping):
             self.names.add(f"the row is a {type(row).__name__}, not an object", pos)

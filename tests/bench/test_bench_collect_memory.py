@@ -22,6 +22,7 @@ RUN_KEYS = {
     "wall_s",
     "rollouts_per_s",
     "cpu_us_per_rollout",
+    "first_shard_s",
 }
 
 
@@ -46,6 +47,7 @@ def test_bench_collects_every_row_in_a_fresh_process() -> None:
         (400, 400, 400, 0),
     ]
     assert all(set(r) == RUN_KEYS and r["stage"] == "collect" for r in result["runs"])
+    assert [r["first_shard_s"] for r in result["runs"]] == [None, None]
 
 
 def test_plan_stage_plans_every_row_and_calls_no_server() -> None:
@@ -53,6 +55,11 @@ def test_plan_stage_plans_every_row_and_calls_no_server() -> None:
     assert [(r["stage"], r["rows"], r["planned"], r["succeeded"], r["failed"]) for r in result["runs"]] == [
         ("plan", 150, 150, 0, 0)
     ]
+    (run,) = result["runs"]
+    assert set(run) == RUN_KEYS
+    # planning CPU per input row, and the time to the first committed shard (within the whole run)
+    assert run["cpu_us_per_rollout"] > 0
+    assert 0 < run["first_shard_s"] <= run["wall_s"]
 
 
 def test_an_unknown_stage_is_refused() -> None:

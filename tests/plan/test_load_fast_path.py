@@ -49,6 +49,7 @@ def _read(path: Path, strict: bool) -> tuple[str, Any]:
 def _read_slow(path: Path, strict: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Any]:
     with monkeypatch.context() as patch:
         patch.setattr(load, "_fast_decode", lambda content, strict_json: load._SLOW)
+        patch.setattr(load, "_plain_decode", lambda content, strict_json: load._SLOW)
         return _read(path, strict)
 
 
