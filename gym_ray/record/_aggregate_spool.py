@@ -7,7 +7,7 @@ folder (``.aggregate-XXXXXX``, created beside the metrics file on the first line
 ``remove()``), so memory does not grow with the number of results. Each line is ``"<task> <rollout> "``
 followed by the JSON text; the key prefix lets a spool whose lines did not arrive in (task, rollout)
 order be sorted without parsing the JSON. ``write_body`` turns a spool into the file
-``{"verify_responses":[...]}`` (the bytes ``ServerClient.post_json`` would send for the same list): an
+``{"verify_responses":[...]}`` (the JSON value ``ServerClient.post_json`` would send for the list): an
 ordered spool is streamed line by line; an unordered one is sorted in memory (that server's lines only;
 the sort is stable, so equal keys keep their arrival order).
 
@@ -78,6 +78,7 @@ __all__ = [
 logger = logging.getLogger("gym_ray.record.aggregate")
 
 _T = TypeVar("_T")
+_Encode = Callable[[Any], bytes]
 # The settings of ServerClient.post_json's encoder, so a body file holds the bytes post_json would send.
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 _BUFFER_BYTES = 1 << 20
@@ -185,7 +186,7 @@ class Grouping:
         self._unattributable: list[str] = []
         self._unattributable_count = 0
 
-    def add(self, result: Mapping[str, Any], position: int) -> None:
+    def add(self, result: Mapping[str, Any], position: int, encode: _Encode | None = None) -> None:
         if position % STOP_CHECK_ROWS == 0 and self._stop.is_set():
             raise Stopped
         if result.get(keys.NO_PERSIST) or result.get(keys.FAILURE_CLASS) is not None:
@@ -203,7 +204,7 @@ class Grouping:
         if server in self.errors:
             return
         try:
-            self._spools.add(server, _sort_key(result), strip_for_aggregation(result))
+            self._spools.add(server, _sort_key(result), strip_for_aggregation(result), encode=encode)
         except (TypeError, ValueError) as exc:
             self._spools.discard(server)
             self.errors[server] = InputError(
@@ -361,14 +362,19 @@ class ServerSpools:
         """The spool folder, or ``None`` before the first line."""
         return self._folder
 
-    def add(self, server: str, key: tuple[int, int], value: Mapping[str, Any]) -> None:
+    def add(
+        self, server: str, key: tuple[int, int], value: Mapping[str, Any], *, encode: _Encode | None = None
+    ) -> None:
         """Append ``value`` to ``server``'s spool under its (task, rollout) ``key``.
+
+        ``encode`` gives its compact JSON text when set (the same JSON value as ``post_json``'s encoder).
 
         Raises:
             TypeError, ValueError: ``value`` is not JSON-serialisable (nothing is written).
             RecordError: the spool cannot be written.
         """
-        line = b"%d %d %s\n" % (key[0], key[1], _COMPACT.encode(value).encode())
+        text = _COMPACT.encode(value).encode() if encode is None else encode(value)
+        line = b"%d %d %s\n" % (key[0], key[1], text)
         spool = self._spools.get(server)
         try:
             if spool is None:
