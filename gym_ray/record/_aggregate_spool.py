@@ -42,10 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-import orjson
-
 from gym_ray import keys
-from gym_ray._json import orjson_text
 from gym_ray.errors import (
     GymRayError,
     InputError,
@@ -55,6 +52,7 @@ from gym_ray.errors import (
     ValidationError,
 )
 from gym_ray.plan.rows import MAX_LISTED_ROWS
+from gym_ray.record._aggregate_fragments import STOP_CHECK_ROWS, FragmentWriter, Stopped
 from gym_ray.record.atomic import atomic_writer
 from gym_ray.record.json_stream import EXCERPT_BYTES, StreamedList, iter_object
 
@@ -88,16 +86,8 @@ _BODY_TAIL = b"]}"
 STREAMED_REPLY_KEYS = ("group_level_metrics", "repeat_level_metrics")
 #: Reply bytes decoded at a time: the reader's buffer is a few times this, whatever the reply's size.
 _REPLY_CHUNK_BYTES = 1 << 18
-#: Nesting of the streamed lists' elements in the metrics file (list > entry > member > element).
-_ELEMENT_INDENT = " " * 6
 _MEMBER_INDENT = " " * 4
 _INDENTED = json.JSONEncoder(indent=2, ensure_ascii=False, allow_nan=False)
-#: Work run through ``run_joined`` looks at its ``stop`` event once every this many rows.
-STOP_CHECK_ROWS = 1024
-
-
-class Stopped(Exception):
-    """Raised by work run through ``run_joined`` when it notices that its caller was cancelled."""
 
 
 async def run_joined(work: Callable[[threading.Event], _T]) -> _T:
@@ -303,46 +293,6 @@ class ReplyParts:
     excerpt: str = ""
 
 
-class _FragmentWriter:
-    """Callback of ``iter_object``: encodes each element (indent 2, shifted) and appends it to a file."""
-
-    def __init__(self, key: str, path: Path, stop: threading.Event, what: str, hint: str) -> None:
-        self.key, self.path, self.stop, self.what, self.hint = key, path, stop, what, hint
-        self.handle: BinaryIO | None = None
-        self.count = 0
-        self.done = False
-
-    def __call__(self, element: dict[str, Any]) -> None:
-        if self.count % STOP_CHECK_ROWS == 0 and self.stop.is_set():
-            raise Stopped
-        if self.done:
-            raise ServerResponseError(f"{self.what} that names {self.key!r} twice; {self.hint}")
-        try:
-            text = _indented(element).replace(b"\n", _SHIFT)
-        except ValueError as exc:  # NaN/infinity, or a lone surrogate that UTF-8 cannot encode
-            raise ServerResponseError(
-                f"{self.what} whose {self.key}[{self.count}] is not strict JSON ({exc}); {self.hint}"
-            ) from exc
-        if self.handle is None:
-            self.handle = self.path.open("wb", buffering=_BUFFER_BYTES)
-        self.handle.write(b",\n" + _ELEMENT_INDENT.encode() if self.count else _ELEMENT_INDENT.encode())
-        self.handle.write(text)
-        self.count += 1
-
-
-_SHIFT = b"\n" + _ELEMENT_INDENT.encode()
-
-
-def _indented(element: dict[str, Any]) -> bytes:
-    """``_INDENTED.encode(element)`` in UTF-8: orjson's text where it provably equals it, else ``json``'s.
-
-    Raises:
-        ValueError: NaN/infinity, or a lone surrogate (from ``json``, as before).
-    """
-    text = orjson_text(element, orjson.OPT_INDENT_2)
-    return _INDENTED.encode(element).encode("utf-8") if text is None else text
-
-
 class ServerSpools:
     """Per-server spool files of compact JSON lines in a private folder beside the metrics file.
 
@@ -479,7 +429,7 @@ class ServerSpools:
         reply = self.reply_path(server)
         prefix = reply.name.removesuffix("-reply.json")
         writers = {
-            key: _FragmentWriter(key, reply.with_name(f"{prefix}-{key}.part"), stop, what, hint)
+            key: FragmentWriter(key, reply.with_name(f"{prefix}-{key}.part"), stop, what, hint)
             for key in STREAMED_REPLY_KEYS
         }
         parts = ReplyParts()
