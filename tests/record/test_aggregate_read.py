@@ -18,11 +18,13 @@ from typing import Any
 import pytest
 
 from gym_ray.config.topology import Topology
+from gym_ray.dispatch.client import ServerClient
 from gym_ray.errors import InputError
 from gym_ray.record._aggregate_read import compact_plain, group_merged, iter_merged
 from gym_ray.record._aggregate_spool import ServerSpools, group_results, strip_for_aggregation
+from gym_ray.record.aggregate import aggregate_metrics, aggregate_run
 from gym_ray.record.jsonl import JsonlReader
-from tests.record.test_aggregate import _base_config
+from tests.record.test_aggregate import _HOST, _agent, _base_config, _Recorder, _ref
 from tests.test_json_equivalence import _random_float, _random_value, _same, struct_float
 
 # Lines orjson cannot vouch for (json reads them: NaN, infinity, an integer past 64 bits, a lone
@@ -147,3 +149,41 @@ def test_group_merged_sends_each_server_the_values_group_results_sends_in_the_sa
     assert len(got_bodies["env_b"]["verify_responses"]) == got.counts["env_b"]
     slow.remove()
     fast.remove()
+
+
+async def test_the_server_receives_the_values_and_order_of_before_and_the_metrics_file_is_the_same(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rng = random.Random(17)
+    lines = []
+    for index, line in enumerate(_records(rng, 300)):  # one server; each rollout once; finite rewards
+        record = json.loads(line)
+        record["_ng_environment_server"] = "env_rec"
+        record["_ng_task_index"], record["_ng_rollout_index"] = 99 - index // 3, index % 3  # unordered
+        record["reward"] = rng.choice([0.0, 1.0, 0.25, 1e-7, 3.0e16])
+        record["response"] = {"usage": {"input_tokens": index, "output_tokens": 2, "total_tokens": index + 2}}
+        record["payload"] = [record["payload"]] if rng.random() < 0.5 else "é漢😀\u2028"  # not a metric
+        lines.append(json.dumps(record, ensure_ascii=rng.random() < 0.5, separators=(",", ":")).encode())
+    _write(run_dir / "rollouts.jsonl", lines)
+    recorder = _Recorder()
+    async with recorder.serving() as port:
+        env = {
+            "environment_servers": {"recorder": {"host": _HOST, "port": port, "agent_server": _ref("ag1")}}
+        }
+        topology = Topology.from_config({"ag1": _agent("ag1"), "env_rec": env})
+        async with ServerClient(topology, connect_retries=0, max_request_retries=0) as client:
+            slow = tmp_path / "slow.json"
+            records = (record for _, record in JsonlReader(run_dir / "rollouts.jsonl", strict=True))
+            await aggregate_metrics(records, topology, client, output_path=slow, raise_on_error=False)
+            fast = await aggregate_run(run_dir, topology, client, output_path=tmp_path / "fast.json")
+    assert fast is not None
+    assert len(recorder.bodies) == 2
+    assert _same(recorder.bodies[1], recorder.bodies[0])
+    assert recorder.raw[1] != recorder.raw[0]  # other bytes (UTF-8, orjson's floats): the fast path ran
+    assert len(recorder.bodies[1]["verify_responses"]) == 300
+    assert fast.read_bytes() == slow.read_bytes()
+    (entry,) = json.loads(fast.read_text(encoding="utf-8"))
+    assert "aggregation_error" not in entry
+    assert len(entry["group_level_metrics"]) == len({json.loads(line)["_ng_task_index"] for line in lines})
