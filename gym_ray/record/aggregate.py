@@ -25,7 +25,7 @@ reply is streamed to a file in the spool folder (``post_json_file(..., reply_pat
 with ``gym_ray.record.json_stream``: the small members (``agent_metrics``, ``key_metrics``,
 ``perf_summary``) are validated as ``AggregateMetricsReply``, while each element of
 ``group_level_metrics`` / ``repeat_level_metrics`` (one per task) is encoded as the metrics file holds it
-and appended to a fragment file, one element in memory at a time. The metrics file is then written entry
+and appended to a fragment file, at most one buffer's elements in memory. The metrics file is written entry
 by entry, the fragments copied in chunks (the bytes ``json.dumps(entries, indent=2)`` would give).
 Durability: the metrics file is replaced atomically (temp file, fsync, rename, fsync of the folder).
 Concurrency: one task per server in an ``asyncio.TaskGroup``; each task records its own outcome;
