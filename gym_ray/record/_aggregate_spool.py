@@ -7,7 +7,7 @@ folder (``.aggregate-XXXXXX``, created beside the metrics file on the first line
 ``remove()``), so memory does not grow with the number of results. Each line is ``"<task> <rollout> "``
 followed by the JSON text; the key prefix lets a spool whose lines did not arrive in (task, rollout)
 order be sorted without parsing the JSON. ``write_body`` turns a spool into the file
-``{"verify_responses":[...]}`` (the bytes ``ServerClient.post_json`` would send for the same list): an
+``{"verify_responses":[...]}`` (the JSON value ``ServerClient.post_json`` would send for the list): an
 ordered spool is streamed line by line; an unordered one is sorted in memory (that server's lines only;
 the sort is stable, so equal keys keep their arrival order).
 
@@ -42,10 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-import orjson
-
 from gym_ray import keys
-from gym_ray._json import orjson_text
 from gym_ray.errors import (
     GymRayError,
     InputError,
@@ -55,6 +52,7 @@ from gym_ray.errors import (
     ValidationError,
 )
 from gym_ray.plan.rows import MAX_LISTED_ROWS
+from gym_ray.record._aggregate_fragments import STOP_CHECK_ROWS, FragmentWriter, Stopped
 from gym_ray.record.atomic import atomic_writer
 from gym_ray.record.json_stream import EXCERPT_BYTES, StreamedList, iter_object
 
@@ -78,6 +76,7 @@ __all__ = [
 logger = logging.getLogger("gym_ray.record.aggregate")
 
 _T = TypeVar("_T")
+_Encode = Callable[[Any], bytes]
 # The settings of ServerClient.post_json's encoder, so a body file holds the bytes post_json would send.
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 _BUFFER_BYTES = 1 << 20
@@ -87,16 +86,9 @@ _BODY_TAIL = b"]}"
 STREAMED_REPLY_KEYS = ("group_level_metrics", "repeat_level_metrics")
 #: Reply bytes decoded at a time: the reader's buffer is a few times this, whatever the reply's size.
 _REPLY_CHUNK_BYTES = 1 << 18
-#: Nesting of the streamed lists' elements in the metrics file (list > entry > member > element).
-_ELEMENT_INDENT = " " * 6
 _MEMBER_INDENT = " " * 4
+_HEAVY = frozenset(keys.HEAVY_RESULT_KEYS)  # one hash lookup per key instead of five comparisons
 _INDENTED = json.JSONEncoder(indent=2, ensure_ascii=False, allow_nan=False)
-#: Work run through ``run_joined`` looks at its ``stop`` event once every this many rows.
-STOP_CHECK_ROWS = 1024
-
-
-class Stopped(Exception):
-    """Raised by work run through ``run_joined`` when it notices that its caller was cancelled."""
 
 
 async def run_joined(work: Callable[[threading.Event], _T]) -> _T:
@@ -133,7 +125,7 @@ def strip_for_aggregation(result: Mapping[str, Any]) -> dict[str, Any]:
     ``response.incomplete_details`` when they are present and not ``None``. Every other key, including
     ``ng_perf`` and the ``_ng_*`` identity keys, stays. The input is not modified.
     """
-    stripped = {k: v for k, v in result.items() if k not in keys.HEAVY_RESULT_KEYS}
+    stripped = {k: v for k, v in result.items() if k not in _HEAVY}
     response = result.get(keys.RESPONSE)
     if isinstance(response, Mapping):
         kept = {k: response[k] for k in keys.KEPT_RESPONSE_KEYS if response.get(k) is not None}
@@ -185,7 +177,7 @@ class Grouping:
         self._unattributable: list[str] = []
         self._unattributable_count = 0
 
-    def add(self, result: Mapping[str, Any], position: int) -> None:
+    def add(self, result: Mapping[str, Any], position: int, encode: _Encode | None = None) -> None:
         if position % STOP_CHECK_ROWS == 0 and self._stop.is_set():
             raise Stopped
         if result.get(keys.NO_PERSIST) or result.get(keys.FAILURE_CLASS) is not None:
@@ -203,7 +195,7 @@ class Grouping:
         if server in self.errors:
             return
         try:
-            self._spools.add(server, _sort_key(result), strip_for_aggregation(result))
+            self._spools.add(server, _sort_key(result), strip_for_aggregation(result), encode=encode)
         except (TypeError, ValueError) as exc:
             self._spools.discard(server)
             self.errors[server] = InputError(
@@ -302,46 +294,6 @@ class ReplyParts:
     excerpt: str = ""
 
 
-class _FragmentWriter:
-    """Callback of ``iter_object``: encodes each element (indent 2, shifted) and appends it to a file."""
-
-    def __init__(self, key: str, path: Path, stop: threading.Event, what: str, hint: str) -> None:
-        self.key, self.path, self.stop, self.what, self.hint = key, path, stop, what, hint
-        self.handle: BinaryIO | None = None
-        self.count = 0
-        self.done = False
-
-    def __call__(self, element: dict[str, Any]) -> None:
-        if self.count % STOP_CHECK_ROWS == 0 and self.stop.is_set():
-            raise Stopped
-        if self.done:
-            raise ServerResponseError(f"{self.what} that names {self.key!r} twice; {self.hint}")
-        try:
-            text = _indented(element).replace(b"\n", _SHIFT)
-        except ValueError as exc:  # NaN/infinity, or a lone surrogate that UTF-8 cannot encode
-            raise ServerResponseError(
-                f"{self.what} whose {self.key}[{self.count}] is not strict JSON ({exc}); {self.hint}"
-            ) from exc
-        if self.handle is None:
-            self.handle = self.path.open("wb", buffering=_BUFFER_BYTES)
-        self.handle.write(b",\n" + _ELEMENT_INDENT.encode() if self.count else _ELEMENT_INDENT.encode())
-        self.handle.write(text)
-        self.count += 1
-
-
-_SHIFT = b"\n" + _ELEMENT_INDENT.encode()
-
-
-def _indented(element: dict[str, Any]) -> bytes:
-    """``_INDENTED.encode(element)`` in UTF-8: orjson's text where it provably equals it, else ``json``'s.
-
-    Raises:
-        ValueError: NaN/infinity, or a lone surrogate (from ``json``, as before).
-    """
-    text = orjson_text(element, orjson.OPT_INDENT_2)
-    return _INDENTED.encode(element).encode("utf-8") if text is None else text
-
-
 class ServerSpools:
     """Per-server spool files of compact JSON lines in a private folder beside the metrics file.
 
@@ -361,14 +313,19 @@ class ServerSpools:
         """The spool folder, or ``None`` before the first line."""
         return self._folder
 
-    def add(self, server: str, key: tuple[int, int], value: Mapping[str, Any]) -> None:
+    def add(
+        self, server: str, key: tuple[int, int], value: Mapping[str, Any], *, encode: _Encode | None = None
+    ) -> None:
         """Append ``value`` to ``server``'s spool under its (task, rollout) ``key``.
+
+        ``encode`` gives its compact JSON text when set (the same JSON value as ``post_json``'s encoder).
 
         Raises:
             TypeError, ValueError: ``value`` is not JSON-serialisable (nothing is written).
             RecordError: the spool cannot be written.
         """
-        line = b"%d %d %s\n" % (key[0], key[1], _COMPACT.encode(value).encode())
+        text = _COMPACT.encode(value).encode() if encode is None else encode(value)
+        line = b"%d %d %s\n" % (key[0], key[1], text)
         spool = self._spools.get(server)
         try:
             if spool is None:
@@ -473,7 +430,7 @@ class ServerSpools:
         reply = self.reply_path(server)
         prefix = reply.name.removesuffix("-reply.json")
         writers = {
-            key: _FragmentWriter(key, reply.with_name(f"{prefix}-{key}.part"), stop, what, hint)
+            key: FragmentWriter(key, reply.with_name(f"{prefix}-{key}.part"), stop, what, hint)
             for key in STREAMED_REPLY_KEYS
         }
         parts = ReplyParts()

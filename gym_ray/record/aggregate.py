@@ -13,7 +13,8 @@ Differences from NeMo Gym 0.7, on purpose:
   other servers' metrics are saved before any error is raised.
 
 Memory: the request side does not grow with the number of results. ``results`` is consumed once, as
-a stream (typically the merged ``rollouts.jsonl``); each stripped result goes to its server's spool
+a stream (``aggregate_run``: the merged ``rollouts.jsonl``, read once by ``_aggregate_read``, which
+spools the lines orjson read with orjson's text); each stripped result goes to its server's spool
 file (compact JSON lines) in a private folder ``.aggregate-XXXXXX`` beside the metrics file, removed
 when ``aggregate_metrics`` returns, raises or is cancelled (``gym_ray.record._aggregate_spool``).
 Each server's body ``{"verify_responses": [...]}`` is assembled from its spool into a file, streamed
@@ -24,7 +25,7 @@ reply is streamed to a file in the spool folder (``post_json_file(..., reply_pat
 with ``gym_ray.record.json_stream``: the small members (``agent_metrics``, ``key_metrics``,
 ``perf_summary``) are validated as ``AggregateMetricsReply``, while each element of
 ``group_level_metrics`` / ``repeat_level_metrics`` (one per task) is encoded as the metrics file holds it
-and appended to a fragment file, one element in memory at a time. The metrics file is then written entry
+and appended to a fragment file, at most one buffer's elements in memory. The metrics file is written entry
 by entry, the fragments copied in chunks (the bytes ``json.dumps(entries, indent=2)`` would give).
 Durability: the metrics file is replaced atomically (temp file, fsync, rename, fsync of the folder).
 Concurrency: one task per server in an ``asyncio.TaskGroup``; each task records its own outcome;
@@ -41,7 +42,7 @@ import asyncio
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,9 +59,11 @@ from gym_ray.errors import (
     UsageError,
     validation_problems,
 )
+from gym_ray.record._aggregate_read import group_merged
 from gym_ray.record._aggregate_spool import (
     STREAMED_REPLY_KEYS,
     Fragment,
+    Grouping,
     ReplyParts,
     ServerSpools,
     group_results,
@@ -69,7 +72,6 @@ from gym_ray.record._aggregate_spool import (
 )
 from gym_ray.record._aggregate_spool import strip_for_aggregation as strip_for_aggregation
 from gym_ray.record.json_stream import iter_array_of_objects
-from gym_ray.record.jsonl import JsonlReader
 
 if TYPE_CHECKING:
     from gym_ray.config.topology import Topology
@@ -321,11 +323,19 @@ async def aggregate_metrics(
             not called and keeps an error entry naming the result).
         RecordError: the spool folder beside ``output_path`` or the metrics file cannot be written.
     """
-    path = Path(output_path)
+    return await _aggregate(
+        lambda spools, stop: group_results(results, topology, spools, stop), client, Path(output_path),
+        raise_on_error,
+    )  # fmt: skip
+
+
+async def _aggregate(
+    fill: Callable[[ServerSpools, threading.Event], Grouping], client: ServerClient, path: Path, raise_: bool
+) -> Path | None:
     spools = ServerSpools(path.parent)
     try:
         # Reading (often a file) and writing run in worker threads so the event loop stays responsive.
-        grouping = await run_joined(lambda stop: group_results(results, topology, spools, stop))
+        grouping = await run_joined(lambda stop: fill(spools, stop))
         if not grouping.counts:
             return None
         servers = sorted(grouping.counts)
@@ -344,7 +354,7 @@ async def aggregate_metrics(
     finally:
         spools.remove()
     errors = [error for s in servers if (error := outcomes[s].error) is not None]
-    if errors and raise_on_error:
+    if errors and raise_:
         raise errors[0]
     # A non-gym_ray exception is a bug, not a server failure: never leave it only in the file.
     bugs = [error for error in errors if not isinstance(error, GymRayError)]
@@ -433,12 +443,6 @@ def raise_for_aggregation_errors(path_or_entries: str | os.PathLike[str] | Itera
     )
 
 
-def _iter_records(path: Path) -> Iterator[dict[str, Any]]:
-    # Strict: a corrupt line in the merged file is an error naming file and line, not a silent gap.
-    for _, record in JsonlReader(path, strict=True, missing_ok=False):
-        yield record
-
-
 def _merged_file(folder: Path) -> Path | None:
     if not folder.is_dir():
         raise UsageError(f"run folder {folder} does not exist; pass the folder a run wrote")
@@ -476,13 +480,11 @@ async def aggregate_run(
     merged = await asyncio.to_thread(_merged_file, folder)
     if merged is None:
         return None
-    return await aggregate_metrics(
-        _iter_records(merged),
-        topology,
-        client,
-        output_path=Path(output_path) if output_path is not None else folder / AGGREGATE_FILE_NAME,
-        raise_on_error=raise_on_error,
-    )
+    # Strict: a corrupt line in the merged file is an error naming file and line, not a silent gap.
+    return await _aggregate(
+        lambda spools, stop: group_merged(merged, topology, spools, stop), client,
+        Path(output_path) if output_path is not None else folder / AGGREGATE_FILE_NAME, raise_on_error,
+    )  # fmt: skip
 
 
 #: The summary of the metrics file this process wrote last, under the file's (device, inode, size,

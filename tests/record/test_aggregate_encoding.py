@@ -1,6 +1,6 @@
 """The per-task metrics elements are written as ``json.dumps(indent=2)`` writes them, whichever encoder runs.
 
-``_aggregate_spool._indented`` uses orjson where its text provably equals the ``json`` module's and falls
+``_aggregate_fragments.indented`` uses orjson where its text provably equals the ``json`` module's and falls
 back to ``json`` otherwise; the oracle here is the ``json`` module itself, over values chosen where the
 two encoders differ (exponents, 17+ digit numbers, integers beyond 64 bits, NaN) and where they agree.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gym_ray.record._aggregate_spool import _indented
+from gym_ray.record._aggregate_fragments import indented as _indented
 from gym_ray.record.aggregate import _atomic_write_json, read_metrics_summary
 
 _AWKWARD: list[Any] = [

@@ -1,0 +1,107 @@
+"""Reading the merged rollouts for aggregation: one parse per line, and the compact text of what it read.
+
+``iter_merged(path)`` reads a merged ``rollouts.jsonl`` once, line by line, and yields each record with
+whether it is *plain*: read by orjson (:func:`gym_ray._json.orjson_loads`, the value ``json.loads`` gives,
+or nothing). A plain record holds only dicts, lists, strings without lone surrogates, integers of at
+most 64 bits, finite floats, booleans and ``None``. Lines orjson cannot vouch for are read by ``json``
+(through :func:`~gym_ray.record.jsonl.parse_record`) and are not plain. Blank lines are skipped; a line
+that is not a JSON object raises the strict :class:`~gym_ray.record.jsonl.JsonlReader`'s error (same
+text, same line number).
+
+``group_merged(path, ...)`` is ``_aggregate_spool.group_results`` over ``iter_merged(path)``, each plain
+record's stripped copy spooled with ``compact_plain``: the body ``/aggregate_metrics`` receives holds the
+same JSON values, in the same order, as through ``group_results``.
+
+``compact_plain(value)`` is the compact JSON text of a value built from a plain record (its stripped
+copy): orjson's bytes, which hold the same JSON value as ``json.dumps(value, separators=(",", ":"))``
+(the text ``/aggregate_metrics`` bodies held before), though not the same bytes: non-ASCII characters
+are written as UTF-8 instead of ``\\uXXXX`` escapes, and floats in orjson's shortest form (``1e16``
+where ``json`` writes ``1e+16``), which reads back as the same float. Nothing it could change the value
+of can be in a plain record: orjson writes NaN and infinities as ``null`` and refuses big integers and
+lone surrogates, and orjson's reading gives none of them. A value orjson refuses to write (nesting
+deeper than orjson writes) gets ``json``'s text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gym_ray._json import NOT_SURE, orjson_loads
+from gym_ray.errors import InputError
+from gym_ray.record._aggregate_spool import Grouping, ServerSpools
+from gym_ray.record.jsonl import line_batches, parse_record
+
+if TYPE_CHECKING:
+    from gym_ray.config.topology import Topology
+
+__all__ = ["compact_plain", "group_merged", "iter_merged"]
+
+# ServerClient.post_json's encoder: the text a body held before (ASCII, json's float forms).
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
+def iter_merged(path: str | os.PathLike[str]) -> Iterator[tuple[dict[str, Any], bool]]:
+    """Yield ``(record, plain)`` per record of the JSONL file ``path`` (see the module docstring).
+
+    Raises:
+        InputError: a line is not a JSON object (names the file and line, as ``JsonlReader(strict=True)``).
+        FileNotFoundError: ``path`` does not exist.
+    """
+    line_no = 0
+    for lines, _ in line_batches(path, missing_ok=False):
+        for raw in lines:
+            line_no += 1
+            value = orjson_loads(raw)
+            plain = value is not NOT_SURE
+            if not plain:
+                if not raw.strip():
+                    continue
+                value = parse_record(raw)
+            elif not isinstance(value, dict):
+                value = None
+            if value is None:
+                excerpt = raw[:80].decode("utf-8", errors="replace")
+                raise InputError(
+                    f"{os.fspath(path)}:{line_no}: not a JSON object ({excerpt!r}); fix or remove this line",
+                    path=os.fspath(path),
+                    line=line_no,
+                )
+            yield value, plain
+
+
+def compact_plain(value: Any) -> bytes:
+    """The compact JSON text of ``value``, built from a plain record (see the module docstring).
+
+    Raises:
+        TypeError, ValueError: ``value`` is not JSON-serialisable (from ``json``; never for a value built
+            from a plain record).
+    """
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return _COMPACT.encode(value).encode()
+
+
+def group_merged(
+    path: str | os.PathLike[str], topology: Topology, spools: ServerSpools, stop: threading.Event
+) -> Grouping:
+    """``group_results`` over the records of ``path``, read once (see the module docstring).
+
+    Raises:
+        InputError: a line of ``path`` is not a JSON object.
+        ValidationError: unknown stamps or unattributable rows (every one listed).
+        RecordError: a spool cannot be written.
+        Stopped: ``stop`` was set.
+    """
+    grouping = Grouping(topology, spools, stop)
+    for position, (result, plain) in enumerate(iter_merged(path)):
+        grouping.add(result, position, compact_plain if plain else None)
+    spools.finish()
+    grouping.raise_problems()
+    return grouping
