@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import shutil
+import sys
 import tempfile
 from array import array
 from collections.abc import Iterable, Iterator
@@ -72,6 +73,13 @@ class _Spiller:
         self._buffer.append(value)
         if len(self._buffer) >= self._chunk:
             self._spill()
+
+    def extend(self, values: Iterable[int]) -> None:
+        """:meth:`add` each of ``values`` (spilling at the same points)."""
+        for value in values:
+            self._buffer.append(value)
+            if len(self._buffer) >= self._chunk:
+                self._spill()
 
     def _spill(self) -> None:
         self._buffer.sort()
@@ -174,6 +182,34 @@ class SpillDedupe:
         self._sequence.update(key.to_bytes(8, "little"))
         self._records.add((key << _ORDINAL_BITS) | ordinal)
         return ordinal
+
+    def add_many(self, keys: array[int]) -> None:
+        """:meth:`add` each digest of ``keys`` (typecode ``Q`` or ``L`` of 8 bytes), in order.
+
+        The same records and sequence digest as one :meth:`add` per key, for much less CPU per key
+        (planning's parallel validation pass hands over each byte range's digests this way).
+
+        Raises:
+            InternalError: ``keys`` is not an array of unsigned 64-bit ints, or :meth:`replay` was called.
+        """
+        if keys.typecode not in "LQ" or keys.itemsize != 8:
+            raise InternalError(
+                f"dedupe keys come as an array of 64-bit unsigned ints, not {keys.typecode!r}"
+            )
+        if self._replayed:
+            raise InternalError("SpillDedupe.add_many after replay(): pass 1 is over")
+        first = self._ordinals
+        if first + len(keys) - 1 > _ORDINAL_MASK:
+            raise InternalError(f"more than 2**{_ORDINAL_BITS} rows in one run")
+        self._ordinals = first + len(keys)
+        little = keys
+        if sys.byteorder != "little":
+            little = array(keys.typecode, keys)
+            little.byteswap()
+        self._sequence.update(little.tobytes())
+        self._records.extend(
+            (key << _ORDINAL_BITS) | ordinal for ordinal, key in enumerate(keys, start=first)
+        )
 
     def replay(self) -> DedupeReplay:
         """End pass 1: find the duplicates and return the lookup table for pass 2."""
