@@ -3,11 +3,14 @@
 :func:`gym_ray.plan.shards.iter_prepare_run` validates a whole input file before it writes anything
 (:func:`gym_ray.plan._validate_pass.count_valid_rows`). For a large file, :func:`count_valid_ranges` cuts
 the file into byte ranges at newlines; this process validates the first range while a spawned process
-validates each other one. Each range's pass records every task-numbering lookup (a row's 64-bit content
-digest) in order into a file of its own and counts the rows it plans. Only when every range is valid does
-this process hand the digests to the run's :class:`~gym_ray.plan._spill_dedupe.SpillDedupe`, range by
-range in file order: the dedupe then holds exactly the lookups the one-process pass makes, in the same
-order, so the planning pass numbers tasks and cuts shards byte for byte as it would have.
+validates each other one. Each range's pass counts the rows it plans and records every task-numbering
+lookup (a row's 64-bit content digest) with a :class:`~gym_ray.plan._spill_dedupe.RangeRecorder`: sorted
+runs and the digests in order, in files under the run's dedupe folder, so the sorting is done in parallel
+too. Only when every range is valid does this process hand them to the run's
+:class:`~gym_ray.plan._spill_dedupe.SpillDedupe`, range by range in file order
+(:meth:`~gym_ray.plan._spill_dedupe.SpillDedupe.adopt_range`: the ordinals shifted, the digests hashed in
+order): the dedupe then holds exactly the lookups the one-process pass makes, in the same order, so the
+planning pass numbers tasks and cuts shards byte for byte as it would have.
 
 Contract kept: a range with a problem stops the pass (:class:`~gym_ray.plan._validate_pass.RowsInvalid`),
 before anything is written to the run folder or dispatched; the caller then runs the general one-process
@@ -22,17 +25,17 @@ process may start children (not a daemon) and has >= 2 CPUs. :data:`PROCESSES` f
 
 Concurrency: every child is owned by the call: started in it, and terminated (if still running) and
 joined before it returns or raises, KeyboardInterrupt included. Children import only the planning modules.
-Memory: each process holds one block of digests (512 KiB) at a time; the digest files (8 bytes per row)
-live in a temporary folder removed on return.
+Memory: each process buffers one chunk of records (as the dedupe does); the files (24 bytes per row:
+sorted runs and digests) live in the dedupe's temporary folder, removed with it.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import tempfile
 import traceback
-from array import array
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,7 @@ from typing import Any
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, InternalError
-from gym_ray.plan._spill_dedupe import SpillDedupe
+from gym_ray.plan._spill_dedupe import RangeRecorder, SpillDedupe
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows
 from gym_ray.plan.load import MAX_LINE_BYTES, _load_jsonl_span
 from gym_ray.plan.preprocess import _Preprocessor
@@ -54,7 +57,6 @@ MAX_PROCESSES = 2
 #: When set, the number of ranges whatever the file's size and the CPUs (tests force parallel passes).
 PROCESSES: int | None = None
 
-_BLOCK_KEYS = 1 << 16  # digests buffered per process before they go to its file
 _SCAN_BYTES = 1 << 16  # bytes read at a time when looking for a range's first newline
 
 
@@ -131,52 +133,27 @@ def _rows_kept(settings: RunSettings, topology: Topology) -> bool:
     return state.common is not None
 
 
-class _DigestFile:
-    """A task numbering that records each lookup's digest, in order, to a file (pass 1 only needs the
-    lookups: the number handed back is the range's own ordinal, a stand-in like the dedupe's)."""
-
-    def __init__(self, path: Path) -> None:
-        self._handle = path.open("wb")
-        self._keys = array("Q")
-        self.lookups = 0
-
-    def add(self, key: int, /) -> int:
-        keys = self._keys
-        keys.append(key)
-        if len(keys) >= _BLOCK_KEYS:
-            keys.tofile(self._handle)
-            self._keys = array("Q")
-        ordinal = self.lookups
-        self.lookups = ordinal + 1
-        return ordinal
-
-    def close(self) -> None:
-        try:
-            self._keys.tofile(self._handle)
-        finally:
-            self._handle.close()
-
-
 def _count_range(
-    path: str, start: int, end: int, settings: RunSettings, topology: Topology, digests: Path
-) -> tuple[int, int]:
-    """``(rows planned, lookups)`` of one range, its digests written to ``digests``.
+    path: str, start: int, end: int, settings: RunSettings, topology: Topology, folder: str, name: str
+) -> tuple[int, list[str], str, int]:
+    """``(rows planned, sorted run files, digests file, lookups)`` of one range (files under ``folder``).
 
     Raises:
         RowsInvalid: A row of the range does not validate.
         GymRayError: What reading or preprocessing the range raises.
     """
-    numbering = _DigestFile(digests)
+    recorder = RangeRecorder(Path(folder), name)
     try:
         rows = _load_jsonl_span(
             path, start, end, max_line_bytes=MAX_LINE_BYTES, strict_json=settings.strict_json
         )
-        count = count_valid_rows(rows, settings, topology, numbering)
+        count = count_valid_rows(rows, settings, topology, recorder)
+        runs, digests, lookups = recorder.finish()
     finally:
-        numbering.close()
+        recorder.close()
     if count is None:
         raise InternalError("the common-row validation pass does not apply to these settings")
-    return count, numbering.lookups
+    return count, [str(run) for run in runs], str(digests), lookups
 
 
 def _range_child(
@@ -186,17 +163,17 @@ def _range_child(
     end: int,
     settings: RunSettings,
     topology: Topology,
-    digests: str,
+    folder: str,
+    name: str,
 ) -> None:
-    """Body of a range process: validate one range, send ``(kind, count, lookups, detail)``."""
+    """Body of a range process: validate one range, send ``(kind, result or detail)``."""
     try:
         try:
-            count, lookups = _count_range(path, start, end, settings, topology, Path(digests))
-            conn.send(("ok", count, lookups, ""))
+            conn.send(("ok", _count_range(path, start, end, settings, topology, folder, name)))
         except (RowsInvalid, GymRayError) as exc:
-            conn.send(("invalid", 0, 0, f"bytes {start}-{end}: {exc}"))
+            conn.send(("invalid", f"bytes {start}-{end}: {exc}"))
         except Exception:  # anything else: the parent validates in one process
-            conn.send(("error", 0, 0, traceback.format_exc()))
+            conn.send(("error", traceback.format_exc()))
     finally:
         conn.close()
 
@@ -225,59 +202,44 @@ def count_valid_ranges(settings: RunSettings, topology: Topology, dedupe: SpillD
     path = str(settings.input_jsonl_fpath)
     ctx = multiprocessing.get_context("spawn")
     children: list[tuple[Any, Connection]] = []
+    folder = tempfile.mkdtemp(prefix="ranges-", dir=dedupe.folder)  # removed with the dedupe's folder
     finished = False
-    with tempfile.TemporaryDirectory(prefix="gym_ray-ranges-") as folder:
-        files = [Path(folder) / f"range-{k:04d}.u64" for k in range(len(ranges))]
-        try:
-            for k, (start, end) in enumerate(ranges[1:], start=1):
-                receiver, sender = ctx.Pipe(duplex=False)
-                proc = ctx.Process(
-                    target=_range_child,
-                    args=(sender, path, start, end, settings, topology, str(files[k])),
-                    name=f"gym_ray-validate-range-{k}",
-                    daemon=True,
-                )
-                children.append((proc, receiver))
-                try:
-                    proc.start()
-                finally:
-                    sender.close()
-            results = [_count_range(path, *ranges[0], settings, topology, files[0])]
-            for _proc, receiver in children:
-                try:
-                    kind, count, lookups, detail = receiver.recv()
-                except EOFError:
-                    return None  # the child died (killed for memory?): validate in one process
-                if kind == "invalid":
-                    raise RowsInvalid(detail)
-                if kind != "ok":
-                    return None
-                results.append((count, lookups))
-            finished = True
-        finally:
-            for proc, receiver in children:
-                if proc.pid is not None:  # started
-                    if not finished:
-                        proc.terminate()  # its range no longer matters
-                    proc.join()
-                receiver.close()
-        for file, (_count, lookups) in zip(files, results, strict=True):
-            if file.stat().st_size != 8 * lookups:
-                return None  # a digest file short of its lookups: validate in one process
-        for file in files:
-            _replay_digests(file, dedupe)
-        return sum(count for count, _lookups in results)
-
-
-def _replay_digests(file: Path, dedupe: SpillDedupe) -> None:
-    """Add the digests recorded in ``file`` to ``dedupe``, in order, a block at a time."""
-    with file.open("rb") as src:
-        while True:
-            keys = array("Q")
+    try:
+        for k, (start, end) in enumerate(ranges[1:], start=1):
+            receiver, sender = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_range_child,
+                args=(sender, path, start, end, settings, topology, folder, f"range-{k:04d}"),
+                name=f"gym_ray-validate-range-{k}",
+                daemon=True,
+            )
+            children.append((proc, receiver))
             try:
-                keys.fromfile(src, _BLOCK_KEYS)
+                proc.start()
+            finally:
+                sender.close()
+        results = [_count_range(path, *ranges[0], settings, topology, folder, "range-0000")]
+        for _proc, receiver in children:
+            try:
+                kind, outcome = receiver.recv()
             except EOFError:
-                pass  # the last, shorter block: fromfile keeps what it read
-            if not keys:
-                return
-            dedupe.add_many(keys)
+                return None  # the child died (killed for memory?): validate in one process
+            if kind == "invalid":
+                raise RowsInvalid(outcome)
+            if kind != "ok":
+                return None
+            results.append(outcome)
+        finished = True
+    finally:
+        for proc, receiver in children:
+            if proc.pid is not None:  # started
+                if not finished:
+                    proc.terminate()  # its range no longer matters
+                proc.join()
+            receiver.close()
+        if not finished:
+            shutil.rmtree(folder, ignore_errors=True)
+    for _count, runs, digests, lookups in results:
+        dedupe.adopt_range([Path(run) for run in runs], Path(digests), lookups)
+        Path(digests).unlink()
+    return sum(count for count, _runs, _digests, _lookups in results)

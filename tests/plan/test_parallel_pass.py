@@ -4,7 +4,6 @@ plans (shard files, manifests), and refuses a bad row with exactly its error (th
 from __future__ import annotations
 
 import json
-from array import array
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ from gym_ray.config.run_config import RunConfig
 from gym_ray.errors import GymRayError
 from gym_ray.plan import _parallel_pass
 from gym_ray.plan._parallel_pass import count_valid_ranges, split_ranges
-from gym_ray.plan._spill_dedupe import SpillDedupe
+from gym_ray.plan._spill_dedupe import RangeRecorder, SpillDedupe
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows
 from gym_ray.plan.load import load_jsonl
 from gym_ray.plan.run_manifest import read_run_manifest
@@ -188,15 +187,17 @@ def test_ranges_are_cut_just_after_a_newline(tmp_path: Path) -> None:
     assert split_ranges(str(path), 2) == []
 
 
-def test_the_dedupe_takes_a_block_of_digests_as_one_lookup_each() -> None:
+def test_the_dedupe_adopts_parts_recorded_apart_as_one_lookup_each() -> None:
     keys = [5, 2**64 - 1, 5, 7, 0, 7, 5, 2**63] * 300
-    with SpillDedupe(chunk=97) as one, SpillDedupe(chunk=97) as block:
+    with SpillDedupe(chunk=97) as one, SpillDedupe(chunk=97) as parts:
         for key in keys:
             one.add(key)
-        block.add_many(array("Q", keys[:1000]))
-        block.add_many(array("Q", keys[1000:]))
-        assert block.lookups == one.lookups == len(keys)
-        replays = one.replay(), block.replay()
+        for name, part in (("a", keys[:1000]), ("b", keys[1000:1001]), ("c", keys[1001:])):
+            recorder = RangeRecorder(parts.folder, name, chunk=89)
+            assert [recorder.add(key) for key in part] == list(range(len(part)))  # the part's own ordinals
+            parts.adopt_range(*recorder.finish())
+        assert parts.lookups == one.lookups == len(keys)
+        replays = one.replay(), parts.replay()
         assert [replays[0].add(k) for k in keys] == [replays[1].add(k) for k in keys]
         for replay in replays:
             replay.finish()  # the same sequence digest
