@@ -4,6 +4,8 @@ plans (shard files, manifests), and refuses a bad row with exactly its error (th
 from __future__ import annotations
 
 import json
+import multiprocessing
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +225,33 @@ def test_a_bad_row_in_the_first_range_stops_the_pass_and_its_child(
         prepare_run(run)
     assert str(again.value) == str(caught.value)
     assert not (tmp_path / "ranges").exists()
+
+
+def _count_in_daemon(conn: Connection, input_path: str, output_dir: str) -> None:
+    """Body of a daemon process (which may not start processes): the forced parallel pass's outcome."""
+    _parallel_pass.PROCESSES = 2
+    run = RunConfig.from_dict(
+        {**load_bundled_config(), "input_jsonl_fpath": input_path, "output_dir": output_dir}
+    )
+    with SpillDedupe() as dedupe:
+        conn.send((count_valid_ranges(run.settings, run.topology, dedupe), dedupe.lookups))
+    conn.close()
+
+
+def test_a_daemon_process_validates_in_one_process(tmp_path: Path) -> None:
+    input_path = tmp_path / "rows.jsonl"
+    _write(input_path, [json.dumps(_row(f"q{i}")) for i in range(20)])
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_count_in_daemon, args=(sender, str(input_path), str(tmp_path / "run")), daemon=True
+    )
+    proc.start()
+    sender.close()
+    try:
+        assert receiver.poll(120)
+        assert receiver.recv() == (None, 0)  # not applicable there: the caller's one-process pass runs
+    finally:
+        proc.join(120)
+        receiver.close()
+    assert proc.exitcode == 0
