@@ -19,7 +19,8 @@ and adds its own memory to the RSS figures.
 
 With ``stage="plan"`` (``gym-ray bench plan-memory``) the child only validates and plans the run folder
 (:func:`gym_ray.plan.shards.iter_prepare_run`: both passes over the input, shards written), no servers called:
-the figures for the planning stage alone. ``cpu_us_per_rollout`` is then the planning CPU per input row, and
+the figures for the planning stage alone. ``cpu_us_per_rollout`` is then the planning CPU per input row of
+the measured process (``children_cpu_s``: the range processes of a parallel validation pass), and
 ``first_shard_s`` the wall time from the start to the first committed shard (what a worker needs for its
 first ``/run``: the whole validation pass plus one shard cut); it is null for ``stage="collect"``.
 
@@ -86,6 +87,13 @@ def _peak_rss_mb(who: int = resource.RUSAGE_SELF) -> float:
     return resource.getrusage(who).ru_maxrss / _KIB_PER_MB
 
 
+def _children_cpu_s() -> float:
+    """User + system CPU of the processes this one started and joined (planning's range processes,
+    the merge step's pool)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _top_sites(snapshot: tracemalloc.Snapshot, limit: int) -> list[dict[str, Any]]:
     """The ``limit`` largest allocation sites of ``snapshot``, by ``file:line``."""
     stats = snapshot.statistics("lineno")[:limit]
@@ -148,6 +156,7 @@ def _child(
             sampler.start()
         try:
             started, cpu_started = time.perf_counter(), time.process_time()
+            children_started = _children_cpu_s()
             first_shard_s: float | None = None
             if stage == "plan":
                 cfg = {**config, "input_jsonl_fpath": input_path, "output_dir": output_dir, "num_repeats": 1}
@@ -169,6 +178,7 @@ def _child(
                 )
                 planned, succeeded, failed = result.planned, result.succeeded, result.failed
             wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+            children_cpu_s = _children_cpu_s() - children_started
         finally:
             if sampler is not None:
                 sampler.stop()
@@ -184,6 +194,7 @@ def _child(
             "wall_s": wall_s,
             "rollouts_per_s": done / wall_s if wall_s > 0 else 0.0,
             "cpu_us_per_rollout": cpu_s / done * 1e6 if done else 0.0,
+            "children_cpu_s": children_cpu_s,
             "first_shard_s": first_shard_s,
         }
         if sampler is not None:
@@ -238,9 +249,12 @@ def run_collect_memory_bench(
     Returns:
         ``{"max_resident_tasks", "runs": [{"rows", "planned", "succeeded", "failed", "baseline_rss_mb",
         "peak_rss_mb", "children_peak_rss_mb", "wall_s", "rollouts_per_s", "cpu_us_per_rollout",
-        "first_shard_s"}, ...], "peak_ratio", "max_peak_rss_mb"}`` where ``peak_ratio`` is the largest
-        size's peak over the smallest size's peak; also printed. ``first_shard_s`` (``stage="plan"``
-        only, else None) is the wall time from the start of planning to the first committed shard.
+        "children_cpu_s", "first_shard_s"}, ...], "peak_ratio", "max_peak_rss_mb"}`` where ``peak_ratio``
+        is the largest size's peak over the smallest size's peak; also printed. ``cpu_us_per_rollout`` is
+        the measured process's own CPU; ``children_cpu_s`` the CPU of the processes it started and joined
+        (planning's parallel validation pass over a file of >= 64 MiB, the merge step's pool).
+        ``first_shard_s`` (``stage="plan"`` only, else None) is the wall time from the start of planning
+        to the first committed shard.
 
     Raises:
         UsageError: ``sizes`` is empty or holds a count < 1, or ``trace_top`` < 0.
@@ -264,7 +278,8 @@ def run_collect_memory_bench(
             print(
                 f"{stage}-memory bench: rows={n} peak_rss={run['peak_rss_mb']:.1f} MB "
                 f"(baseline {run['baseline_rss_mb']:.1f} MB) wall={run['wall_s']:.1f} s "
-                f"{run['rollouts_per_s']:.0f} rollouts/s {run['cpu_us_per_rollout']:.0f} us CPU/rollout"
+                f"{run['rollouts_per_s']:.0f} rollouts/s {run['cpu_us_per_rollout']:.0f} us CPU/rollout "
+                f"(+{run['children_cpu_s']:.1f} s in child processes)"
                 + (f" first shard {run['first_shard_s']:.2f} s" if run["first_shard_s"] is not None else ""),
                 flush=True,
             )

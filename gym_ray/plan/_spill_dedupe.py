@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import shutil
+import sys
 import tempfile
 from array import array
 from collections.abc import Iterable, Iterator
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from gym_ray.errors import InputError, InternalError
 
-__all__ = ["DedupeReplay", "SpillDedupe"]
+__all__ = ["DedupeReplay", "RangeRecorder", "SpillDedupe"]
 
 _ORDINAL_BITS = 40  # a trillion lookups per pass
 _ORDINAL_MASK = (1 << _ORDINAL_BITS) - 1
@@ -65,7 +66,7 @@ class _Spiller:
     def __init__(self, folder: Path, name: str, chunk: int) -> None:
         self._folder, self._name, self._chunk = folder, name, chunk
         self._buffer: list[int] = []
-        self._runs: list[Path] = []
+        self._runs: list[tuple[Path, int]] = []  # sorted run files, each with what its values are off by
         self._written = 0
 
     def add(self, value: int) -> None:
@@ -75,8 +76,18 @@ class _Spiller:
 
     def _spill(self) -> None:
         self._buffer.sort()
-        self._runs.append(self._write_run(self._buffer))
+        self._runs.append((self._write_run(self._buffer), 0))
         self._buffer = []
+
+    def spilled(self) -> list[Path]:
+        """Spill what is buffered; every run file written (this spiller is done: adopt them elsewhere)."""
+        if self._buffer:
+            self._spill()
+        return [path for path, _offset in self._runs]
+
+    def adopt(self, path: Path, offset: int) -> None:
+        """Take a sorted run file written by another spiller; ``offset`` is added to each of its values."""
+        self._runs.append((path, offset))
 
     def _write_run(self, values: Iterable[int]) -> Path:
         path = self._folder / f"{self._name}-{self._written:06d}.run"
@@ -102,13 +113,14 @@ class _Spiller:
             self._spill()
         while len(self._runs) > _FAN_IN:  # merge in rounds: at most _FAN_IN files open at once
             group, self._runs = self._runs[:_FAN_IN], self._runs[_FAN_IN:]
-            self._runs.append(self._write_run(heapq.merge(*(_read_run(path) for path in group))))
-            for path in group:
+            merged = heapq.merge(*(_read_run(path, offset) for path, offset in group))
+            self._runs.append((self._write_run(merged), 0))
+            for path, _offset in group:
                 path.unlink()
-        return heapq.merge(*(_read_run(path) for path in self._runs))
+        return heapq.merge(*(_read_run(path, offset) for path, offset in self._runs))
 
 
-def _read_run(path: Path) -> Iterator[int]:
+def _read_run(path: Path, offset: int = 0) -> Iterator[int]:
     with path.open("rb") as src:
         while True:
             words = array(_U64)
@@ -119,7 +131,7 @@ def _read_run(path: Path) -> Iterator[int]:
             if not words:
                 return
             for i in range(0, len(words), 2):
-                yield (words[i] << 64) | words[i + 1]
+                yield ((words[i] << 64) | words[i + 1]) + offset
 
 
 class SpillDedupe:
@@ -157,6 +169,42 @@ class SpillDedupe:
         """Digests looked up in pass 1 so far."""
         return self._ordinals
 
+    @property
+    def folder(self) -> Path:
+        """The temporary folder (a :class:`RangeRecorder` for this dedupe writes under it)."""
+        return self._folder
+
+    def adopt_range(self, runs: list[Path], digests: Path, lookups: int) -> None:
+        """Take the pass-1 lookups of the next part of the input, recorded by a :class:`RangeRecorder`.
+
+        The same as one :meth:`add` per lookup the recorder saw, in its order (the recorder's ordinals
+        are shifted by the lookups made so far). Parts must be adopted in input order.
+
+        Args:
+            runs: The recorder's sorted run files (under :attr:`folder`; this dedupe owns them now).
+            digests: The recorder's file of digests in lookup order.
+            lookups: The recorder's count of lookups.
+
+        Raises:
+            InternalError: :meth:`replay` was already called, or the files disagree with ``lookups``.
+        """
+        if self._replayed:
+            raise InternalError("SpillDedupe.adopt_range after replay(): pass 1 is over")
+        if digests.stat().st_size != 8 * lookups:
+            raise InternalError(f"{digests} holds {digests.stat().st_size} bytes for {lookups} lookups")
+        if self._ordinals + lookups - 1 > _ORDINAL_MASK:
+            raise InternalError(f"more than 2**{_ORDINAL_BITS} rows in one run")
+        with digests.open("rb") as src:
+            for block in iter(lambda: src.read(8 * _READ_BLOCK * 64), b""):
+                if sys.byteorder != "little":
+                    words = array(_U64, block)
+                    words.byteswap()
+                    block = words.tobytes()
+                self._sequence.update(block)
+        for path in runs:
+            self._records.adopt(path, self._ordinals)
+        self._ordinals += lookups
+
     def add(self, key: int) -> int:
         """Record one digest lookup of pass 1; return its ordinal (a stand-in for the task index).
 
@@ -187,6 +235,51 @@ class SpillDedupe:
                 events.add(_event(ordinal, _DUPLICATE, source))
             events.add(_event(duplicates[-1], _LAST_DUPLICATE, source))
         return DedupeReplay(events.sorted(), lookups=self._ordinals, sequence=self._sequence.copy())
+
+
+class RangeRecorder:
+    """Pass 1 over one part of the input, in any process, for :meth:`SpillDedupe.adopt_range`.
+
+    A task numbering (``add(digest)``): it writes each lookup's record into sorted runs under ``folder``
+    (numbered from 0 within the part: the adopting dedupe shifts them) and the digests, in order, to a
+    file. The value handed back is the part's ordinal, a stand-in as :meth:`SpillDedupe.add`'s.
+
+    Args:
+        folder: Where the files go (under the adopting dedupe's :attr:`SpillDedupe.folder`).
+        name: A prefix unique among the recorders writing to ``folder``.
+        chunk: Records buffered before a sorted run is written.
+    """
+
+    def __init__(self, folder: Path, name: str, *, chunk: int = 1 << 16) -> None:
+        self._records = _Spiller(folder, name, chunk)
+        self._path = folder / f"{name}.digests"
+        self._out = self._path.open("wb")
+        self._keys = array(_U64)
+        self.lookups = 0
+
+    def add(self, key: int, /) -> int:
+        """Record one digest lookup; return its ordinal within the part."""
+        ordinal = self.lookups
+        self.lookups = ordinal + 1
+        keys = self._keys
+        keys.append(key)
+        if len(keys) >= 16 * _READ_BLOCK:
+            keys.tofile(self._out)
+            self._keys = array(_U64)
+        self._records.add((key << _ORDINAL_BITS) | ordinal)
+        return ordinal
+
+    def finish(self) -> tuple[list[Path], Path, int]:
+        """Write what is buffered; ``(sorted run files, digests file, lookups)`` for ``adopt_range``."""
+        try:
+            self._keys.tofile(self._out)
+        finally:
+            self._out.close()
+        return self._records.spilled(), self._path, self.lookups
+
+    def close(self) -> None:
+        """Close the digests file (idempotent; the files stay for the dedupe's folder to remove)."""
+        self._out.close()
 
 
 def _event(ordinal: int, kind: int, source: int) -> int:

@@ -11,7 +11,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
 import orjson
 
@@ -76,6 +76,8 @@ _LENIENT_DECODER = json.JSONDecoder()
 _BOM = b"\xef\xbb\xbf"
 #: Bytes read at a time; lines are handled a block of whole lines at a time.
 _BLOCK_BYTES = 1 << 16
+#: Bytes read at a time when counting the lines before a span.
+_COUNT_BYTES = 1 << 20
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _NINETEEN_DIGITS = b"0" * 19
 _TASK_ID = keys.TASK_ID
@@ -167,42 +169,84 @@ def load_jsonl(
         >>> rows = list(load_jsonl("tasks.jsonl"))  # doctest: +SKIP
     """
     name = os.fspath(path)
-    decoder = _STRICT_DECODER if strict_json else _LENIENT_DECODER
     try:
         handle = open(name, "rb")  # closed by the with below
     except OSError as exc:
         raise InputError(f"cannot open input file '{name}': {exc.strerror}", path=name) from exc
     with handle:
-        line_no = 0
-        for block in _line_blocks(handle, name, max_line_bytes):
-            # Block-wide scans stand for the per-line ones (no pattern spans a newline): without a run of
-            # 19 digits orjson reads every integer exactly; without a \u003 escape every colon is written.
-            plain = _NINETEEN_DIGITS not in block.translate(_DIGITS_AS_ZERO) and not (
-                strict_json and b"\\u003" in block
-            )
-            for content in block.split(b"\n"):
-                line_no += 1
-                if len(content) > max_line_bytes:
-                    raise _line_error(name, line_no, _too_long(max_line_bytes))
-                fast = content[3:] if line_no == 1 and content.startswith(_BOM) else content
-                row = _plain_decode(fast, strict_json) if plain else _fast_decode(fast, strict_json)
-                if row is _SLOW:
-                    fail = functools.partial(_line_error, name, line_no)
-                    row = _slow_decode(content, line_no, decoder, fail)
-                # a plain flat row (the common shape) has no shape problem: skip the general check
-                if type(row) is not dict or _TASK_ID in row or type(row.get(_PARAMS)) is not dict:
-                    problem = shape_problem(row)
-                    if problem is not None:
-                        raise _line_error(name, line_no, f"the row {problem}")
-                yield row
+        yield from _read_rows(handle.read, name, 0, max_line_bytes, strict_json)
+
+
+def _load_jsonl_span(
+    path: str | os.PathLike[str], start: int, end: int, *, max_line_bytes: int, strict_json: bool
+) -> Iterator[Row]:
+    """The rows of bytes ``[start, end)`` of a JSONL file, read and checked as :func:`load_jsonl` does.
+
+    ``start`` is 0 or just after a newline, ``end`` just after a newline or the file's size, so the span
+    holds whole lines. Line numbers in errors are the file's own (the newlines before ``start`` are
+    counted first), and a BOM is accepted only at the file's start. Planning's parallel validation pass
+    (:mod:`gym_ray.plan._parallel_pass`) reads one span per process.
+    """
+    name = os.fspath(path)
+    try:
+        handle = open(name, "rb")  # closed by the with below
+    except OSError as exc:
+        raise InputError(f"cannot open input file '{name}': {exc.strerror}", path=name) from exc
+    with handle:
+        lines_before = 0
+        while handle.tell() < start:
+            block = handle.read(min(_COUNT_BYTES, start - handle.tell()))
+            if not block:
+                break
+            lines_before += block.count(b"\n")
+        left = end - start
+
+        def read(size: int) -> bytes:
+            nonlocal left
+            data = handle.read(min(size, left)) if left > 0 else b""
+            left -= len(data)
+            return data
+
+        yield from _read_rows(read, name, lines_before, max_line_bytes, strict_json)
+
+
+def _read_rows(
+    read: Callable[[int], bytes], name: str, lines_before: int, max_line_bytes: int, strict_json: bool
+) -> Iterator[Row]:
+    """:func:`load_jsonl`'s loop over what ``read`` gives, the first line being line ``lines_before + 1``."""
+    decoder = _STRICT_DECODER if strict_json else _LENIENT_DECODER
+    line_no = lines_before
+    for block in _line_blocks(read, name, max_line_bytes, lines_before):
+        # Block-wide scans stand for the per-line ones (no pattern spans a newline): without a run of
+        # 19 digits orjson reads every integer exactly; without a \u003 escape every colon is written.
+        plain = _NINETEEN_DIGITS not in block.translate(_DIGITS_AS_ZERO) and not (
+            strict_json and b"\\u003" in block
+        )
+        for content in block.split(b"\n"):
+            line_no += 1
+            if len(content) > max_line_bytes:
+                raise _line_error(name, line_no, _too_long(max_line_bytes))
+            fast = content[3:] if line_no == 1 and content.startswith(_BOM) else content
+            row = _plain_decode(fast, strict_json) if plain else _fast_decode(fast, strict_json)
+            if row is _SLOW:
+                fail = functools.partial(_line_error, name, line_no)
+                row = _slow_decode(content, line_no, decoder, fail)
+            # a plain flat row (the common shape) has no shape problem: skip the general check
+            if type(row) is not dict or _TASK_ID in row or type(row.get(_PARAMS)) is not dict:
+                problem = shape_problem(row)
+                if problem is not None:
+                    raise _line_error(name, line_no, f"the row {problem}")
+            yield row
 
 
 def _too_long(max_line_bytes: int) -> str:
     return f"line is longer than max_line_bytes={max_line_bytes}; split the row or raise the limit"
 
 
-def _line_blocks(handle: BinaryIO, name: str, max_line_bytes: int) -> Iterator[bytes]:
-    """Whole lines of ``handle``, about :data:`_BLOCK_BYTES` at a time, joined by newlines (the last
+def _line_blocks(
+    read: Callable[[int], bytes], name: str, max_line_bytes: int, lines_before: int = 0
+) -> Iterator[bytes]:
+    """Whole lines of what ``read`` gives, about :data:`_BLOCK_BYTES` at a time, joined by newlines (the last
     newline of each block dropped; a last line without one is a block of its own).
 
     A line is never split between blocks. A line longer than ``max_line_bytes`` is refused (naming it)
@@ -210,9 +254,8 @@ def _line_blocks(handle: BinaryIO, name: str, max_line_bytes: int) -> Iterator[b
     """
     pending: list[bytes] = []
     held = 0
-    lines_before = 0
     while True:
-        chunk = handle.read(_BLOCK_BYTES)
+        chunk = read(_BLOCK_BYTES)
         if not chunk:
             if pending:
                 yield b"".join(pending)

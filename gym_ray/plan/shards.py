@@ -34,6 +34,7 @@ from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, InputError, InternalError, RecordError, ResumeError, UsageError
+from gym_ray.plan._parallel_pass import count_valid_ranges
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan._stage import Staged, stage_shards
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows
@@ -464,7 +465,9 @@ def iter_prepare_run(
     The validation pass runs on the first ``next()`` and reads the whole input (nothing is written
     before every row is validated; it also counts the rows, carried as ``ShardSpec.run_rows``). Then
     :func:`iter_plan` cuts, writes and yields one shard at a time, so a consumer hands out shard ``i``
-    while the rest of the input is still being cut. Resume works as with :func:`prepare_run`.
+    while the rest of the input is still being cut. Resume works as with :func:`prepare_run`. An input
+    file of 64 MiB or more is validated over byte ranges in two processes (this one and a spawned one,
+    :mod:`gym_ray.plan._parallel_pass`), with the same outcome: the same shards, the same errors.
 
     Memory does not grow with the number of distinct tasks: the validation pass records each row's content
     digest in sorted runs in a temporary folder (16 bytes per row on disk), and the planning pass numbers
@@ -516,12 +519,11 @@ def iter_prepare_run(
         return
     with SpillDedupe() as dedupe:
         try:
-            # From a file, common rows are validated without building their copies (None: not applicable)
-            found = (
-                None
-                if rows is not None
-                else count_valid_rows(_limited_rows(settings, None)(), settings, topology, dedupe)
-            )
+            # From a file, common rows are validated without building their copies, a large file over
+            # byte ranges in parallel processes (_parallel_pass); None: not applicable
+            found = None if rows is not None else count_valid_ranges(settings, topology, dedupe)
+            if found is None and rows is None:  # one process (a small file, limit set, ...)
+                found = count_valid_rows(_limited_rows(settings, None)(), settings, topology, dedupe)
             if found is None:
                 validate_rows(counting(source(dedupe)), topology)
             else:

@@ -22,6 +22,7 @@ RUN_KEYS = {
     "wall_s",
     "rollouts_per_s",
     "cpu_us_per_rollout",
+    "children_cpu_s",
     "first_shard_s",
 }
 
@@ -59,6 +60,7 @@ def test_plan_stage_plans_every_row_and_calls_no_server() -> None:
     assert set(run) == RUN_KEYS
     # planning CPU per input row, and the time to the first committed shard (within the whole run)
     assert run["cpu_us_per_rollout"] > 0
+    assert run["children_cpu_s"] == 0.0  # a small file: validated in this process
     assert 0 < run["first_shard_s"] <= run["wall_s"]
 
 

@@ -1,0 +1,245 @@
+"""Planning's validation pass over byte ranges of a large input file, in parallel processes.
+
+:func:`gym_ray.plan.shards.iter_prepare_run` validates a whole input file before it writes anything
+(:func:`gym_ray.plan._validate_pass.count_valid_rows`). For a large file, :func:`count_valid_ranges` cuts
+the file into byte ranges at newlines; this process validates the first range while a spawned process
+validates each other one. Each range's pass counts the rows it plans and records every task-numbering
+lookup (a row's 64-bit content digest) with a :class:`~gym_ray.plan._spill_dedupe.RangeRecorder`: sorted
+runs and the digests in order, in files under the run's dedupe folder, so the sorting is done in parallel
+too. Only when every range is valid does this process hand them to the run's
+:class:`~gym_ray.plan._spill_dedupe.SpillDedupe`, range by range in file order
+(:meth:`~gym_ray.plan._spill_dedupe.SpillDedupe.adopt_range`: the ordinals shifted, the digests hashed in
+order): the dedupe then holds exactly the lookups the one-process pass makes, in the same order, so the
+planning pass numbers tasks and cuts shards byte for byte as it would have.
+
+Contract kept: a range with a problem stops the pass (:class:`~gym_ray.plan._validate_pass.RowsInvalid`),
+before anything is written to the run folder or dispatched; the caller then runs the general one-process
+pass, which raises the error the user sees (the file's 1-based line, the row and its task). A range child
+that dies or fails unexpectedly makes :func:`count_valid_ranges` return None with the dedupe untouched,
+and the caller validates in one process.
+
+When: the input is a file, ``limit`` is unset, no knob rewrites rows (the common-row pass applies), the
+file has at least :data:`MIN_PARALLEL_BYTES` (a spawned process costs about a second of start-up), this
+process may start children (not a daemon) and has >= 2 CPUs. :data:`PROCESSES` forces a number of ranges
+(tests); it is no config key.
+
+Concurrency: every child is owned by the call: started in it, and terminated (if still running) and
+joined before it returns or raises, KeyboardInterrupt included. Children import only the planning modules.
+Memory: each process buffers one chunk of records (as the dedupe does); the files (24 bytes per row:
+sorted runs and digests) live in the dedupe's temporary folder, removed with it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import tempfile
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from gym_ray.config.settings import RunSettings
+from gym_ray.config.topology import Topology
+from gym_ray.errors import GymRayError, InternalError
+from gym_ray.plan._spill_dedupe import RangeRecorder, SpillDedupe
+from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows
+from gym_ray.plan.load import MAX_LINE_BYTES, _load_jsonl_span
+from gym_ray.plan.preprocess import _Preprocessor
+
+__all__ = ["MAX_PROCESSES", "MIN_PARALLEL_BYTES", "PROCESSES", "count_valid_ranges", "split_ranges"]
+
+#: Smallest input file validated in several processes (smaller ones: spawning costs more than it saves).
+MIN_PARALLEL_BYTES = 64 * 1024 * 1024
+#: Most processes (this one included) one validation pass uses.
+MAX_PROCESSES = 2
+#: When set, the number of ranges whatever the file's size and the CPUs (tests force parallel passes).
+PROCESSES: int | None = None
+
+_SCAN_BYTES = 1 << 16  # bytes read at a time when looking for a range's first newline
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def split_ranges(path: str, parts: int) -> list[tuple[int, int]]:
+    """Up to ``parts`` non-empty byte ranges ``[start, end)`` covering the file, each of whole lines.
+
+    Range ``k`` starts just after the first newline at or after byte ``size * k // parts - 1`` (so a cut
+    that falls right after a newline stays there); ranges left empty by a long line are dropped.
+    """
+    size = os.path.getsize(path)
+    starts = [0]
+    with open(path, "rb") as handle:
+        for k in range(1, parts):
+            target = max(size * k // parts, starts[-1])
+            if target <= 0 or target >= size:
+                continue
+            handle.seek(target - 1)
+            at = target - 1
+            while True:
+                chunk = handle.read(_SCAN_BYTES)
+                if not chunk:
+                    at = size
+                    break
+                found = chunk.find(b"\n")
+                if found >= 0:
+                    at += found + 1
+                    break
+                at += len(chunk)
+            if starts[-1] < at < size:
+                starts.append(at)
+    ends = [*starts[1:], size]
+    return [(start, end) for start, end in zip(starts, ends, strict=True) if start < end]
+
+
+def _planned_ranges(settings: RunSettings, topology: Topology) -> list[tuple[int, int]]:
+    """The ranges to validate in parallel, or [] to validate in one process."""
+    path = settings.input_jsonl_fpath
+    if path is None or settings.limit or multiprocessing.current_process().daemon:
+        return []
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return []  # the one-process pass reports the file
+    parts = PROCESSES
+    if parts is None:
+        if size < MIN_PARALLEL_BYTES:
+            return []
+        parts = min(MAX_PROCESSES, _usable_cpus())
+    if parts < 2 or not _rows_kept(settings, topology):
+        return []
+    ranges = split_ranges(str(path), parts)
+    return ranges if len(ranges) >= 2 else []
+
+
+def _rows_kept(settings: RunSettings, topology: Topology) -> bool:
+    """True when the common-row pass applies (no knob rewrites rows; else the general pass runs)."""
+    state = _Preprocessor(
+        agent_map=settings.agent_map,
+        fan_out=settings.fan_out,
+        num_repeats=settings.num_repeats,
+        num_repeats_add_seed=settings.num_repeats_add_seed,
+        task_ids=settings.task_ids,
+        responses_create_params=settings.responses_create_params,
+        topology=topology,
+        from_json=True,
+    )
+    return state.common is not None
+
+
+def _count_range(
+    path: str, start: int, end: int, settings: RunSettings, topology: Topology, folder: str, name: str
+) -> tuple[int, list[str], str, int]:
+    """``(rows planned, sorted run files, digests file, lookups)`` of one range (files under ``folder``).
+
+    Raises:
+        RowsInvalid: A row of the range does not validate.
+        GymRayError: What reading or preprocessing the range raises.
+    """
+    recorder = RangeRecorder(Path(folder), name)
+    try:
+        rows = _load_jsonl_span(
+            path, start, end, max_line_bytes=MAX_LINE_BYTES, strict_json=settings.strict_json
+        )
+        count = count_valid_rows(rows, settings, topology, recorder)
+        runs, digests, lookups = recorder.finish()
+    finally:
+        recorder.close()
+    if count is None:
+        raise InternalError("the common-row validation pass does not apply to these settings")
+    return count, [str(run) for run in runs], str(digests), lookups
+
+
+def _range_child(
+    conn: Connection,
+    path: str,
+    start: int,
+    end: int,
+    settings: RunSettings,
+    topology: Topology,
+    folder: str,
+    name: str,
+) -> None:
+    """Body of a range process: validate one range, send ``(kind, result or detail)``."""
+    try:
+        try:
+            conn.send(("ok", _count_range(path, start, end, settings, topology, folder, name)))
+        except (RowsInvalid, GymRayError) as exc:
+            conn.send(("invalid", f"bytes {start}-{end}: {exc}"))
+        except Exception:  # anything else: the parent validates in one process
+            conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def count_valid_ranges(settings: RunSettings, topology: Topology, dedupe: SpillDedupe) -> int | None:
+    """Validate the input file over byte ranges in parallel processes; the number of rows it plans.
+
+    Args:
+        settings: The run's settings (``input_jsonl_fpath`` is the file).
+        topology: The running config.
+        dedupe: Receives every task-numbering lookup, in file order, once every range is valid.
+
+    Returns:
+        The count of preprocessed rows (what :func:`~gym_ray.plan._validate_pass.count_valid_rows` gives
+        over the whole file), or None when the pass does not apply (small file, ``limit``, knobs that
+        rewrite rows, a daemon process, one CPU) or a range process failed unexpectedly; then nothing
+        was added to ``dedupe`` and the caller validates in one process.
+
+    Raises:
+        RowsInvalid: Some range holds a row that does not validate (nothing added to ``dedupe``).
+        GymRayError: What reading or preprocessing the first range raises (in this process).
+    """
+    ranges = _planned_ranges(settings, topology)
+    if not ranges:
+        return None
+    path = str(settings.input_jsonl_fpath)
+    ctx = multiprocessing.get_context("spawn")
+    children: list[tuple[Any, Connection]] = []
+    folder = tempfile.mkdtemp(prefix="ranges-", dir=dedupe.folder)  # removed with the dedupe's folder
+    finished = False
+    try:
+        for k, (start, end) in enumerate(ranges[1:], start=1):
+            receiver, sender = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_range_child,
+                args=(sender, path, start, end, settings, topology, folder, f"range-{k:04d}"),
+                name=f"gym_ray-validate-range-{k}",
+                daemon=True,
+            )
+            children.append((proc, receiver))
+            try:
+                proc.start()
+            finally:
+                sender.close()
+        results = [_count_range(path, *ranges[0], settings, topology, folder, "range-0000")]
+        for _proc, receiver in children:
+            try:
+                kind, outcome = receiver.recv()
+            except EOFError:
+                return None  # the child died (killed for memory?): validate in one process
+            if kind == "invalid":
+                raise RowsInvalid(outcome)
+            if kind != "ok":
+                return None
+            results.append(outcome)
+        finished = True
+    finally:
+        for proc, receiver in children:
+            if proc.pid is not None:  # started
+                if not finished:
+                    proc.terminate()  # its range no longer matters
+                proc.join()
+            receiver.close()
+        if not finished:
+            shutil.rmtree(folder, ignore_errors=True)
+    for _count, runs, digests, lookups in results:
+        dedupe.adopt_range([Path(run) for run in runs], Path(digests), lookups)
+        Path(digests).unlink()
+    return sum(count for count, _runs, _digests, _lookups in results)
