@@ -56,9 +56,26 @@ def orjson_text(value: Any, option: int = 0) -> bytes | None:
         return None
     marked = text.translate(_DIGITS_AS_ZERO)
     # one test per mark of _UNSURE, spelled out: a generator over the tuple costs more than the tests
-    if b"0e" in marked or _UNSURE[1] in marked or b"0.0000" in marked or b"null" in marked:
+    if b"0e" in marked or _UNSURE[1] in marked or b"0.0000" in marked:
+        return None
+    if b"null" in marked and not _nulls_are_none(text, value):
         return None
     return text
+
+
+def _nulls_are_none(text: bytes, value: Any) -> bool:
+    """Whether every ``null`` in orjson's ``text`` of ``value`` stands for a None (not a NaN or infinity).
+
+    orjson writes NaN and infinities as ``null`` where ``json`` writes ``NaN`` / ``Infinity``. Reading the
+    text back and comparing decides it: a float that became ``null`` reads back as None, which equals no
+    float, so the values differ exactly when one did. (Every other value orjson writes reads back equal:
+    the caller's other marks have already sent exponents and long numbers to ``json``.) Records often
+    hold ``null`` (e.g. ``"error": null``); this keeps them on orjson: about 3 us instead of ``json``'s 12.
+    """
+    try:
+        return bool(orjson.loads(text) == value)
+    except (orjson.JSONDecodeError, RecursionError):  # pragma: no cover - orjson reads its own text
+        return False
 
 
 def dumps_compact(value: Any) -> bytes:

@@ -200,3 +200,27 @@ def test_loads_gives_json_loads_value_or_error_for_every_text() -> None:
         else:
             assert _same(loads(raw), expected), raw
     assert loads(b'{"x":18446744073709551616}') == {"x": 18446744073709551616}  # exact, not a float
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"error": None, "reward": math.nan},
+        [None, math.inf],
+        {"a": {"b": [None, {"c": -math.inf}]}},
+        [math.nan],
+    ],
+)
+def test_a_non_finite_float_next_to_a_null_is_written_as_json_writes_it(value: Any) -> None:
+    # orjson writes NaN and infinities as null: such a value must take json's path (NaN / Infinity).
+    assert orjson_text(value) is None
+    assert dumps_compact(value) == json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    assert b"null" in orjson.dumps(value)  # the case the guard is for: orjson's text holds a null
+
+
+def test_a_record_whose_nulls_are_all_none_keeps_orjson_s_bytes() -> None:
+    record = {"response": {"error": None, "incomplete_details": None, "output": [{"text": "7"}]}, "r": 1.5}
+    expected = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+    assert orjson_text(record) == expected  # the fast path, not None: nulls that are None are safe
+    assert orjson_text((None, 1)) is None  # a tuple reads back as a list: not equal, so json decides
+    assert dumps_compact((None, 1)) == b"[null,1]"

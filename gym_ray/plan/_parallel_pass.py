@@ -44,7 +44,7 @@ from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, InternalError
 from gym_ray.plan._spill_dedupe import RangeRecorder, SpillDedupe
-from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows
+from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows, preprocess_knobs
 from gym_ray.plan.load import MAX_LINE_BYTES, _load_jsonl_span
 from gym_ray.plan.preprocess import _Preprocessor
 
@@ -120,16 +120,7 @@ def _planned_ranges(settings: RunSettings, topology: Topology) -> list[tuple[int
 
 def _rows_kept(settings: RunSettings, topology: Topology) -> bool:
     """True when the common-row pass applies (no knob rewrites rows; else the general pass runs)."""
-    state = _Preprocessor(
-        agent_map=settings.agent_map,
-        fan_out=settings.fan_out,
-        num_repeats=settings.num_repeats,
-        num_repeats_add_seed=settings.num_repeats_add_seed,
-        task_ids=settings.task_ids,
-        responses_create_params=settings.responses_create_params,
-        topology=topology,
-        from_json=True,
-    )
+    state = _Preprocessor(**preprocess_knobs(settings), topology=topology, from_json=True)
     return state.common is not None
 
 

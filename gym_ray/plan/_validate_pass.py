@@ -31,6 +31,18 @@ class RowsInvalid(Exception):
     """Some input row does not validate; the general validation pass says which and why."""
 
 
+def preprocess_knobs(settings: RunSettings) -> dict[str, Any]:
+    """The run settings that preprocessing takes, as keyword arguments (one list for every pass)."""
+    return {
+        "agent_map": settings.agent_map,
+        "fan_out": settings.fan_out,
+        "num_repeats": settings.num_repeats,
+        "num_repeats_add_seed": settings.num_repeats_add_seed,
+        "task_ids": settings.task_ids,
+        "responses_create_params": settings.responses_create_params,
+    }
+
+
 def count_valid_rows(
     rows: Iterable[Mapping[str, Any]], settings: RunSettings, topology: Topology, numbering: TaskNumbering
 ) -> int | None:
@@ -51,15 +63,7 @@ def count_valid_rows(
         GymRayError: What reading or preprocessing the rows raises (the general pass raises it too).
     """
     state = _Preprocessor(
-        agent_map=settings.agent_map,
-        fan_out=settings.fan_out,
-        num_repeats=settings.num_repeats,
-        num_repeats_add_seed=settings.num_repeats_add_seed,
-        task_ids=settings.task_ids,
-        responses_create_params=settings.responses_create_params,
-        topology=topology,
-        task_numbering=numbering,
-        from_json=True,
+        **preprocess_knobs(settings), topology=topology, task_numbering=numbering, from_json=True
     )
     common = state.common
     if common is None:

@@ -11,7 +11,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -169,12 +169,17 @@ def load_jsonl(
         >>> rows = list(load_jsonl("tasks.jsonl"))  # doctest: +SKIP
     """
     name = os.fspath(path)
-    try:
-        handle = open(name, "rb")  # closed by the with below
-    except OSError as exc:
-        raise InputError(f"cannot open input file '{name}': {exc.strerror}", path=name) from exc
+    handle = _open_input(name)
     with handle:
         yield from _read_rows(handle.read, name, 0, max_line_bytes, strict_json)
+
+
+def _open_input(name: str) -> BinaryIO:
+    """The input file opened for reading bytes, or an :class:`InputError` naming it."""
+    try:
+        return open(name, "rb")
+    except OSError as exc:
+        raise InputError(f"cannot open input file '{name}': {exc.strerror}", path=name) from exc
 
 
 def _load_jsonl_span(
@@ -188,10 +193,7 @@ def _load_jsonl_span(
     (:mod:`gym_ray.plan._parallel_pass`) reads one span per process.
     """
     name = os.fspath(path)
-    try:
-        handle = open(name, "rb")  # closed by the with below
-    except OSError as exc:
-        raise InputError(f"cannot open input file '{name}': {exc.strerror}", path=name) from exc
+    handle = _open_input(name)
     with handle:
         lines_before = 0
         while handle.tell() < start:

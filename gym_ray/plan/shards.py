@@ -37,7 +37,7 @@ from gym_ray.errors import GymRayError, InputError, InternalError, RecordError, 
 from gym_ray.plan._parallel_pass import count_valid_ranges
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan._stage import Staged, stage_shards
-from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows
+from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows, preprocess_knobs
 from gym_ray.plan.load import load_jsonl, non_finite_problem
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
 from gym_ray.plan.run_manifest import RUN_MANIFEST, open_run, read_run_manifest, write_run_manifest
@@ -413,13 +413,8 @@ def input_rows(
     def preprocessed(task_numbering: TaskNumbering | None = None) -> Iterator[dict[str, Any]]:
         return iter_preprocess(
             limited(),
-            agent_map=settings.agent_map,
-            fan_out=settings.fan_out,
-            num_repeats=settings.num_repeats,
-            num_repeats_add_seed=settings.num_repeats_add_seed,
+            **preprocess_knobs(settings),
             interleave_repeats=settings.interleave_repeats,
-            task_ids=settings.task_ids,
-            responses_create_params=settings.responses_create_params,
             topology=topology,
             task_numbering=task_numbering,
             from_json=rows is None,  # rows parsed here from the input file, seen by nobody else

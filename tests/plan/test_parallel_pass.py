@@ -22,10 +22,7 @@ from gym_ray.plan.run_manifest import read_run_manifest
 from gym_ray.plan.shards import prepare_run
 from gym_ray.record.manifest import read_manifest
 from gym_ray.servers import load_bundled_config
-
-
-def _row(question: str, agent: str = "arith_agent", **extra: Any) -> dict[str, Any]:
-    return {"responses_create_params": {"input": question}, "agent_ref": {"name": agent}, **extra}
+from tests.plan.test_common_rows import _config, _row
 
 
 def _varied_rows() -> list[Any]:
@@ -55,18 +52,6 @@ def _lines(copies: int) -> list[str]:
         out.extend(json.dumps(r, ensure_ascii=False) for r in _varied_rows())
         out.extend(json.dumps(_row(f"d{i}-{j}")) for j in range(3))
     return out
-
-
-def _config(tmp_path: Path, name: str, input_path: Path, **extra: Any) -> RunConfig:
-    return RunConfig.from_dict(
-        {
-            **load_bundled_config(),
-            "environment_server_routes": {"arith": "arith_env"},
-            "output_dir": str(tmp_path / name),
-            "input_jsonl_fpath": str(input_path),
-            **extra,
-        }
-    )
 
 
 def _planned(tmp_path: Path, name: str, input_path: Path, **extra: Any) -> list[Any]:
