@@ -19,7 +19,9 @@ shards), and this module uses the first pass to find the duplicates on disk:
 
 Memory: ``chunk`` buffered records (~50 bytes each) in pass 1; in pass 2, one read buffer per run file
 plus the indices of sources whose duplicates are still ahead, so it grows only with duplicated rows, never
-with distinct ones. Disk: 16 bytes per lookup in a private temporary folder, removed on :meth:`close`.
+with distinct ones. Disk: 16 bytes per lookup in a private temporary folder, removed on :meth:`close`; a
+folder left by a planner that was killed (SIGKILL, out of memory, a lost node's preemption) is removed by
+the next dedupe started on the same host (:func:`reclaim_stale_folders`).
 
 Safety: pass 2 must see the lookups pass 1 saw. A running BLAKE2b over the digest sequence is compared at
 :meth:`DedupeReplay.finish`; a longer or different second pass raises :class:`InputError` (the input
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import os
 import shutil
+import socket
 import sys
 import tempfile
 from array import array
@@ -39,7 +43,7 @@ from pathlib import Path
 
 from gym_ray.errors import InputError, InternalError
 
-__all__ = ["DedupeReplay", "RangeRecorder", "SpillDedupe"]
+__all__ = ["DedupeReplay", "RangeRecorder", "SpillDedupe", "reclaim_stale_folders"]
 
 _ORDINAL_BITS = 40  # a trillion lookups per pass
 _ORDINAL_MASK = (1 << _ORDINAL_BITS) - 1
@@ -134,6 +138,49 @@ def _read_run(path: Path, offset: int = 0) -> Iterator[int]:
                 yield ((words[i] << 64) | words[i + 1]) + offset
 
 
+_PREFIX = "gym_ray-dedupe-"
+
+
+def _owner_tag() -> str:
+    """``PID@HOST``: who owns a dedupe folder (its name starts with ``_PREFIX`` + this + ``-``)."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: a process of another user has this pid
+        return True
+    return True
+
+
+def reclaim_stale_folders(parent: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove the dedupe folders under ``parent`` (default: the system's temporary folder) whose
+    planner process is gone; return them.
+
+    A folder is removed only when its name says it belongs to this host and its pid is not running here
+    (a folder of another host, e.g. on a shared ``TMPDIR``, or without an owner in its name, is left alone;
+    a reused pid keeps a dead planner's folder until that pid ends, never the other way round).
+    """
+    root = Path(parent if parent is not None else tempfile.gettempdir())
+    host = socket.gethostname()
+    removed: list[Path] = []
+    try:
+        names = [name for name in os.listdir(root) if name.startswith(_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        owner = name[len(_PREFIX) :].rsplit("-", 1)[0]  # mkdtemp's random suffix holds no "-"
+        pid, _, owner_host = owner.partition("@")
+        if owner_host != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(root / name, ignore_errors=True)
+        removed.append(root / name)
+    return removed
+
+
 class SpillDedupe:
     """Pass 1 of the two-pass dedupe, and the owner of its temporary folder.
 
@@ -148,7 +195,8 @@ class SpillDedupe:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise InternalError(f"SpillDedupe chunk must be an int >= 1, got {chunk!r}")
         self._chunk = chunk
-        self._folder = Path(tempfile.mkdtemp(prefix="gym_ray-dedupe-", dir=folder))
+        reclaim_stale_folders(folder)
+        self._folder = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{_owner_tag()}-", dir=folder))
         self._records = _Spiller(self._folder, "digests", chunk)
         self._sequence = hashlib.blake2b(digest_size=16)
         self._ordinals = 0
