@@ -63,6 +63,11 @@ class CommonRows:
         self._take = next_rollout.take
         self._keys_seen = keys_seen
 
+    @property
+    def num_repeats(self) -> int:
+        """Copies per row."""
+        return self._num_repeats
+
     def number(self, row: Any) -> str | None:
         """Number ``row``'s task as :meth:`expand` would, building no rows and taking no rollout number
         (planning's validation pass); return its agent, or None (nothing numbered) as :meth:`expand`."""

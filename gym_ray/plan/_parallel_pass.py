@@ -31,6 +31,7 @@ sorted runs and digests) live in the dedupe's temporary folder, removed with it.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -57,6 +58,7 @@ MAX_PROCESSES = 2
 #: When set, the number of ranges whatever the file's size and the CPUs (tests force parallel passes).
 PROCESSES: int | None = None
 
+logger = logging.getLogger(__name__)
 _SCAN_BYTES = 1 << 16  # bytes read at a time when looking for a range's first newline
 
 
@@ -210,14 +212,16 @@ def count_valid_ranges(settings: RunSettings, topology: Topology, dedupe: SpillD
             finally:
                 sender.close()
         results = [_count_range(path, *ranges[0], settings, topology, folder, "range-0000")]
-        for _proc, receiver in children:
+        for child, receiver in children:
             try:
                 kind, outcome = receiver.recv()
             except EOFError:
-                return None  # the child died (killed for memory?): validate in one process
+                kind, outcome = "error", f"the process (pid {child.pid}) ended without an answer"
             if kind == "invalid":
                 raise RowsInvalid(outcome)
-            if kind != "ok":
+            if kind != "ok":  # the same result comes from one process, later: say why it is later
+                detail = str(outcome).strip().splitlines()[-1:] or ["no detail"]
+                logger.warning("planning: a range process failed (%s); validating in one process", detail[0])
                 return None
             results.append(outcome)
         finished = True

@@ -69,15 +69,14 @@ def count_valid_rows(
     if common is None:
         return None
     validator = _Validator(topology)
-    number, clean, check = common.number, validator.clean, validator.check
-    repeats = int(settings.num_repeats) if isinstance(settings.num_repeats, int) else 0
+    number, clean, check = common.number, validator.flat_row_clean, validator.check
+    repeats = common.num_repeats
     source_key = keys.TASK_SOURCE
     count = 0
     for pos, row in enumerate(rows):
         agent = number(row)
         if agent is not None:
-            source = row.get(source_key)
-            if (source is None or type(source) is str) and clean(agent, source or None):
+            if clean(agent, row.get(source_key)):
                 count += repeats
                 continue
             raise RowsInvalid(f"row {pos}")  # the general pass names it

@@ -234,7 +234,6 @@ class _Preprocessor:
         mode = topology.routing_mode if topology is not None else keys.ROUTING_AGENT
         return (
             mode == keys.ROUTING_AGENT
-            and isinstance(self.num_repeats, int)
             and not (self.agent_map or self.fan_out or self.add_seed or self.overrides)
             and self.task_ids is None
         )

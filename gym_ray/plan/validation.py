@@ -216,6 +216,11 @@ class _Validator:
             self._clean[agent, source] = found
         return found
 
+    def flat_row_clean(self, agent: str, source: Any) -> bool:
+        """:meth:`clean` for a flat row's ``task_source`` as read (None, a string, or anything else: not
+        known clean, so :meth:`check` looks at the row)."""
+        return (source is None or type(source) is str) and self.clean(agent, source or None)
+
     def found(self) -> bool:
         """True when :meth:`check` has found a problem in some row."""
         return bool(self.routing or self.names or self.pairing or self.fronts)
@@ -223,14 +228,9 @@ class _Validator:
     def check(self, pos: int, row: Mapping[str, Any]) -> None:
         if type(row) is dict and keys.TASK_ID not in row and keys.ENVIRONMENT_SERVER not in row:
             # the common row: a plain dict naming its agent, not materialized, not stamped
-            ref, source = row.get(keys.AGENT_REF), row.get(keys.TASK_SOURCE)
+            ref = row.get(keys.AGENT_REF)
             agent = ref.get("name") if type(ref) is dict else None
-            if (
-                type(agent) is str
-                and agent
-                and (source is None or type(source) is str)
-                and self.clean(agent, source or None)
-            ):
+            if type(agent) is str and agent and self.flat_row_clean(agent, row.get(keys.TASK_SOURCE)):
                 return
         topo = self.topology
         if not isinstance(row, dict | Mapping):
