@@ -78,6 +78,7 @@ from gym_ray.run.signals import run_until_signal
 DEFAULT_REBALANCE_S = 10.0
 
 if TYPE_CHECKING:
+    from gym_ray.plan.first_pass import CheckedInput
     from gym_ray.run.collect import ShardSpec
     from gym_ray.run.result import RunResult
 
@@ -87,7 +88,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CANCEL_GRACE_S = 10.0
 
 
-def plan_from_config(run: RunConfig, rows: Any = None, num_workers: int = 1) -> Iterator[ShardSpec]:
+def plan_from_config(
+    run: RunConfig, rows: Any = None, num_workers: int = 1, checked: CheckedInput | None = None
+) -> Iterator[ShardSpec]:
     """Default planner (runs in the driver actor): validate the input rows, then plan the run lazily.
 
     Uses :func:`gym_ray.plan.shards.iter_prepare_run`: a whole validation pass first (bad input raises before
@@ -99,6 +102,9 @@ def plan_from_config(run: RunConfig, rows: Any = None, num_workers: int = 1) -> 
         run: The run's config, with the topology already resolved.
         rows: ``None`` to read ``input_jsonl_fpath``, or an ``ObjectRef`` of a list of rows.
         num_workers: Workers of the run (sizes shards automatically when ``shard_size`` is unset).
+        checked: The validation pass, run by the caller before Ray started
+            (:func:`gym_ray.plan.first_pass.validate_ahead`); the driver takes it over instead of
+            validating again when it runs on the same host.
 
     Returns:
         The planned shards, in input order (a generator: planning happens as it is consumed).
@@ -107,7 +113,7 @@ def plan_from_config(run: RunConfig, rows: Any = None, num_workers: int = 1) -> 
 
     # This runs in a thread of the async driver actor: wait on the ref's future (ray.get would warn).
     source: list[dict[str, Any]] | None = rows.future().result() if rows is not None else None
-    return iter_prepare_run(run, rows=source, num_workers=num_workers)
+    return iter_prepare_run(run, rows=source, num_workers=num_workers, checked=checked)
 
 
 async def run_actors(
@@ -455,13 +461,21 @@ async def acollect(
     show = sys.stderr.isatty() if progress is None else progress
     # Held before Ray starts: a busy folder is refused at once.
     with holding_run_folder(run_dir, what="collect"):
+        from gym_ray.plan.first_pass import validate_ahead
+
+        # Every row is validated before Ray starts; the driver actor takes the pass over.
+        checked = await asyncio.to_thread(validate_ahead, run, row_list)
         view = ProgressView(stream=sys.stderr, enabled=True, interval_s=progress_every_s) if show else None
-        return await _collect_on_ray(run, row_list, address, num_workers, started, tracer, view)
+        try:
+            return await _collect_on_ray(run, row_list, checked, address, num_workers, started, tracer, view)
+        finally:
+            checked.discard()
 
 
 async def _collect_on_ray(
     run: RunConfig,
     row_list: list[dict[str, Any]] | None,
+    checked: CheckedInput,
     address: str | None,
     num_workers: int | None,
     started: float,
@@ -474,7 +488,7 @@ async def _collect_on_ray(
         async with ray_connection(address) as ray:
             workers = num_workers or run.settings.num_workers or default_num_workers(ray)
             rows_ref = ray.put(row_list) if row_list is not None else None
-            planner = functools.partial(plan_from_config, run, rows_ref, workers)
+            planner = functools.partial(plan_from_config, run, rows_ref, workers, checked)
             with job_span(tracer, run_dir=run_dir) as span:
                 result = await run_actors(
                     run,

@@ -1,13 +1,13 @@
 """Planning's validation pass over byte ranges of a large input file, in parallel processes.
 
-:func:`gym_ray.plan.shards.iter_prepare_run` validates a whole input file before it writes anything
-(:func:`gym_ray.plan._validate_pass.count_valid_rows`). For a large file, :func:`count_valid_ranges` cuts
+:func:`gym_ray.plan.first_pass.first_pass` validates a whole input file before anything is written
+(:func:`gym_ray.plan._validate_pass.count_valid_rows`). For a large file, :func:`valid_ranges` cuts
 the file into byte ranges at newlines; this process validates the first range while a spawned process
 validates each other one. Each range's pass counts the rows it plans and records every task-numbering
 lookup (a row's 64-bit content digest) with a :class:`~gym_ray.plan._spill_dedupe.RangeRecorder`: sorted
-runs and the digests in order, in files under the run's dedupe folder, so the sorting is done in parallel
-too. Only when every range is valid does this process hand them to the run's
-:class:`~gym_ray.plan._spill_dedupe.SpillDedupe`, range by range in file order
+runs and the digests in order, in files under the pass's folder, so the sorting is done in parallel
+too. Only when every range is valid are they handed on, to be adopted by the run's
+:class:`~gym_ray.plan._spill_dedupe.SpillDedupe` range by range in file order
 (:meth:`~gym_ray.plan._spill_dedupe.SpillDedupe.adopt_range`: the ordinals shifted, the digests hashed in
 order): the dedupe then holds exactly the lookups the one-process pass makes, in the same order, so the
 planning pass numbers tasks and cuts shards byte for byte as it would have.
@@ -15,8 +15,8 @@ planning pass numbers tasks and cuts shards byte for byte as it would have.
 Contract kept: a range with a problem stops the pass (:class:`~gym_ray.plan._validate_pass.RowsInvalid`),
 before anything is written to the run folder or dispatched; the caller then runs the general one-process
 pass, which raises the error the user sees (the file's 1-based line, the row and its task). A range child
-that dies or fails unexpectedly makes :func:`count_valid_ranges` return None with the dedupe untouched,
-and the caller validates in one process.
+that dies or fails unexpectedly makes :func:`valid_ranges` return None (its files removed), and the
+caller validates in one process.
 
 When: the input is a file, ``limit`` is unset, no knob rewrites rows (the common-row pass applies), the
 file has at least :data:`MIN_PARALLEL_BYTES` (a spawned process costs about a second of start-up), this
@@ -26,7 +26,7 @@ process may start children (not a daemon) and has >= 2 CPUs. :data:`PROCESSES` f
 Concurrency: every child is owned by the call: started in it, and terminated (if still running) and
 joined before it returns or raises, KeyboardInterrupt included. Children import only the planning modules.
 Memory: each process buffers one chunk of records (as the dedupe does); the files (24 bytes per row:
-sorted runs and digests) live in the dedupe's temporary folder, removed with it.
+sorted runs and digests) live in the pass's temporary folder, removed with it.
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ from typing import Any
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, InternalError
-from gym_ray.plan._spill_dedupe import RangeRecorder, SpillDedupe
+from gym_ray.plan._spill_dedupe import RangeRecorder, RecordedPart
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows, preprocess_knobs
 from gym_ray.plan.load import MAX_LINE_BYTES, _load_jsonl_span
 from gym_ray.plan.preprocess import _Preprocessor
 
-__all__ = ["MAX_PROCESSES", "MIN_PARALLEL_BYTES", "PROCESSES", "count_valid_ranges", "split_ranges"]
+__all__ = ["MAX_PROCESSES", "MIN_PARALLEL_BYTES", "PROCESSES", "CountedPart", "split_ranges", "valid_ranges"]
 
 #: Smallest input file validated in several processes (smaller ones: spawning costs more than it saves).
 MIN_PARALLEL_BYTES = 64 * 1024 * 1024
@@ -57,6 +57,9 @@ MIN_PARALLEL_BYTES = 64 * 1024 * 1024
 MAX_PROCESSES = 2
 #: When set, the number of ranges whatever the file's size and the CPUs (tests force parallel passes).
 PROCESSES: int | None = None
+
+#: One validated part of the input: the rows it plans and its recorded task-numbering lookups.
+CountedPart = tuple[int, RecordedPart]
 
 logger = logging.getLogger(__name__)
 _SCAN_BYTES = 1 << 16  # bytes read at a time when looking for a range's first newline
@@ -171,22 +174,23 @@ def _range_child(
         conn.close()
 
 
-def count_valid_ranges(settings: RunSettings, topology: Topology, dedupe: SpillDedupe) -> int | None:
-    """Validate the input file over byte ranges in parallel processes; the number of rows it plans.
+def valid_ranges(settings: RunSettings, topology: Topology, folder: Path) -> list[CountedPart] | None:
+    """Validate the input file over byte ranges in parallel processes; each range's count and lookups.
 
     Args:
         settings: The run's settings (``input_jsonl_fpath`` is the file).
         topology: The running config.
-        dedupe: Receives every task-numbering lookup, in file order, once every range is valid.
+        folder: Where the ranges' files go (a new folder in it, removed again when the pass fails).
 
     Returns:
-        The count of preprocessed rows (what :func:`~gym_ray.plan._validate_pass.count_valid_rows` gives
-        over the whole file), or None when the pass does not apply (small file, ``limit``, knobs that
-        rewrite rows, a daemon process, one CPU) or a range process failed unexpectedly; then nothing
-        was added to ``dedupe`` and the caller validates in one process.
+        Per range, in file order: the count of preprocessed rows and its recorded lookups (together what
+        :func:`~gym_ray.plan._validate_pass.count_valid_rows` gives over the whole file, for
+        :meth:`~gym_ray.plan._spill_dedupe.SpillDedupe.adopt_range`). None when the pass does not apply
+        (small file, ``limit``, knobs that rewrite rows, a daemon process, one CPU) or a range process
+        failed unexpectedly; the caller then validates in one process.
 
     Raises:
-        RowsInvalid: Some range holds a row that does not validate (nothing added to ``dedupe``).
+        RowsInvalid: Some range holds a row that does not validate.
         GymRayError: What reading or preprocessing the first range raises (in this process).
     """
     ranges = _planned_ranges(settings, topology)
@@ -195,14 +199,14 @@ def count_valid_ranges(settings: RunSettings, topology: Topology, dedupe: SpillD
     path = str(settings.input_jsonl_fpath)
     ctx = multiprocessing.get_context("spawn")
     children: list[tuple[Any, Connection]] = []
-    folder = tempfile.mkdtemp(prefix="ranges-", dir=dedupe.folder)  # removed with the dedupe's folder
+    where = tempfile.mkdtemp(prefix="ranges-", dir=folder)
     finished = False
     try:
         for k, (start, end) in enumerate(ranges[1:], start=1):
             receiver, sender = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_range_child,
-                args=(sender, path, start, end, settings, topology, folder, f"range-{k:04d}"),
+                args=(sender, path, start, end, settings, topology, where, f"range-{k:04d}"),
                 name=f"gym_ray-validate-range-{k}",
                 daemon=True,
             )
@@ -211,7 +215,7 @@ def count_valid_ranges(settings: RunSettings, topology: Topology, dedupe: SpillD
                 proc.start()
             finally:
                 sender.close()
-        results = [_count_range(path, *ranges[0], settings, topology, folder, "range-0000")]
+        results = [_count_range(path, *ranges[0], settings, topology, where, "range-0000")]
         for child, receiver in children:
             try:
                 kind, outcome = receiver.recv()
@@ -233,8 +237,8 @@ def count_valid_ranges(settings: RunSettings, topology: Topology, dedupe: SpillD
                 proc.join()
             receiver.close()
         if not finished:
-            shutil.rmtree(folder, ignore_errors=True)
-    for _count, runs, digests, lookups in results:
-        dedupe.adopt_range([Path(run) for run in runs], Path(digests), lookups)
-        Path(digests).unlink()
-    return sum(count for count, _runs, _digests, _lookups in results)
+            shutil.rmtree(where, ignore_errors=True)
+    return [
+        (count, RecordedPart([Path(run) for run in runs], Path(digests), lookups))
+        for count, runs, digests, lookups in results
+    ]

@@ -40,10 +40,18 @@ import tempfile
 from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from gym_ray.errors import InputError, InternalError
 
-__all__ = ["DedupeReplay", "RangeRecorder", "SpillDedupe", "reclaim_stale_folders"]
+__all__ = [
+    "DedupeReplay",
+    "RangeRecorder",
+    "RecordedPart",
+    "SpillDedupe",
+    "owned_folder",
+    "reclaim_stale_folders",
+]
 
 _ORDINAL_BITS = 40  # a trillion lookups per pass
 _ORDINAL_MASK = (1 << _ORDINAL_BITS) - 1
@@ -181,6 +189,15 @@ def reclaim_stale_folders(parent: str | os.PathLike[str] | None = None) -> list[
     return removed
 
 
+def owned_folder(parent: str | os.PathLike[str] | None = None) -> Path:
+    """A new temporary folder named for this process (``PID@HOST``), after :func:`reclaim_stale_folders`.
+
+    The caller removes it; if the process is killed first, the next one created on this host does.
+    """
+    reclaim_stale_folders(parent)
+    return Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{_owner_tag()}-", dir=parent))
+
+
 class SpillDedupe:
     """Pass 1 of the two-pass dedupe, and the owner of its temporary folder.
 
@@ -195,8 +212,7 @@ class SpillDedupe:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise InternalError(f"SpillDedupe chunk must be an int >= 1, got {chunk!r}")
         self._chunk = chunk
-        reclaim_stale_folders(folder)
-        self._folder = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{_owner_tag()}-", dir=folder))
+        self._folder = owned_folder(folder)
         self._records = _Spiller(self._folder, "digests", chunk)
         self._sequence = hashlib.blake2b(digest_size=16)
         self._ordinals = 0
@@ -285,6 +301,14 @@ class SpillDedupe:
         return DedupeReplay(events.sorted(), lookups=self._ordinals, sequence=self._sequence.copy())
 
 
+class RecordedPart(NamedTuple):
+    """What a :class:`RangeRecorder` wrote, the arguments of :meth:`SpillDedupe.adopt_range`."""
+
+    runs: list[Path]
+    digests: Path
+    lookups: int
+
+
 class RangeRecorder:
     """Pass 1 over one part of the input, in any process, for :meth:`SpillDedupe.adopt_range`.
 
@@ -317,13 +341,13 @@ class RangeRecorder:
         self._records.add((key << _ORDINAL_BITS) | ordinal)
         return ordinal
 
-    def finish(self) -> tuple[list[Path], Path, int]:
-        """Write what is buffered; ``(sorted run files, digests file, lookups)`` for ``adopt_range``."""
+    def finish(self) -> RecordedPart:
+        """Write what is buffered; the files and the count for :meth:`SpillDedupe.adopt_range`."""
         try:
             self._keys.tofile(self._out)
         finally:
             self._out.close()
-        return self._records.spilled(), self._path, self.lookups
+        return RecordedPart(self._records.spilled(), self._path, self.lookups)
 
     def close(self) -> None:
         """Close the digests file (idempotent; the files stay for the dedupe's folder to remove)."""

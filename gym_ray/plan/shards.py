@@ -19,11 +19,10 @@ Durability promises (see RELIABILITY.md):
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,16 +31,19 @@ from pydantic import BaseModel, ConfigDict
 
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
-from gym_ray.config.topology import Topology
-from gym_ray.errors import GymRayError, InputError, InternalError, RecordError, ResumeError, UsageError
-from gym_ray.plan._parallel_pass import count_valid_ranges
+from gym_ray.errors import GymRayError, RecordError, ResumeError, UsageError
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan._stage import Staged, stage_shards
-from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows, preprocess_knobs
-from gym_ray.plan.load import load_jsonl, non_finite_problem
-from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
+from gym_ray.plan.first_pass import (
+    CheckedInput,
+    adopt_parts,
+    count_rows,
+    first_pass,
+    input_rows,
+    numbers_in_memory,
+    take_checked,
+)
 from gym_ray.plan.run_manifest import RUN_MANIFEST, open_run, read_run_manifest, write_run_manifest
-from gym_ray.plan.validation import validate_rows
 from gym_ray.record.manifest import ShardManifest
 from gym_ray.record.writer import ShardWriter
 
@@ -355,74 +357,6 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _finite_rows(rows: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
-    """``rows``, refusing the first one that holds ``nan`` / ``inf`` (``strict_json``)."""
-    for pos, row in enumerate(rows):
-        problem = non_finite_problem(row)
-        if problem is not None:
-            raise InputError(f"input row {pos}: {problem}", row=pos)
-        yield row
-
-
-def _limited_rows(
-    settings: RunSettings, rows: Iterable[Mapping[str, Any]] | None
-) -> Callable[[], Iterable[Mapping[str, Any]]]:
-    """The input rows (read again on each call), cut to ``limit``: see :func:`input_rows`."""
-    if rows is None:
-        if settings.input_jsonl_fpath is None:
-            raise UsageError(
-                "no input rows: set input_jsonl_fpath in the config (+input_jsonl_fpath=rows.jsonl) "
-                "or pass rows"
-            )
-        path = settings.input_jsonl_fpath
-
-        def source() -> Iterable[Mapping[str, Any]]:
-            return load_jsonl(path, strict_json=settings.strict_json)
-    else:
-        if iter(rows) is rows:
-            raise UsageError("rows must be a re-iterable collection (a list), not a one-shot iterator")
-        fixed = rows
-
-        def source() -> Iterable[Mapping[str, Any]]:
-            return _finite_rows(fixed) if settings.strict_json else fixed
-
-    limit = settings.limit or None  # NeMo Gym: 0 or null = every row
-
-    def limited() -> Iterable[Mapping[str, Any]]:
-        # The first ``limit`` input rows, before anything else (NeMo Gym 0.7's ``limit``).
-        return source() if limit is None else itertools.islice(source(), limit)
-
-    return limited
-
-
-def input_rows(
-    settings: RunSettings,
-    topology: Topology,
-    rows: Iterable[Mapping[str, Any]] | None = None,
-) -> Callable[..., Iterator[dict[str, Any]]]:
-    """A re-iterable source of the run's preprocessed rows (the input is read once per call).
-
-    Rows come from ``rows`` (a re-iterable collection) or the settings' ``input_jsonl_fpath``, cut to the
-    first ``limit`` rows when ``limit`` is set. The returned callable takes an optional
-    ``task_numbering`` (see :func:`gym_ray.plan.preprocess.iter_preprocess`). With ``strict_json`` (the
-    default) a file's duplicate keys and non-finite numbers, and ``nan`` / ``inf`` in passed rows, raise
-    :class:`~gym_ray.errors.InputError` naming the file and line, or the row, while the rows are read.
-    """
-    limited = _limited_rows(settings, rows)
-
-    def preprocessed(task_numbering: TaskNumbering | None = None) -> Iterator[dict[str, Any]]:
-        return iter_preprocess(
-            limited(),
-            **preprocess_knobs(settings),
-            interleave_repeats=settings.interleave_repeats,
-            topology=topology,
-            task_numbering=task_numbering,
-            from_json=rows is None,  # rows parsed here from the input file, seen by nobody else
-        )
-
-    return preprocessed
-
-
 def prepare_run(
     run: RunConfig,
     *,
@@ -454,6 +388,7 @@ def iter_prepare_run(
     *,
     rows: Iterable[Mapping[str, Any]] | None = None,
     num_workers: int = 1,
+    checked: CheckedInput | None = None,
 ) -> Generator[ShardSpec, None, None]:
     """Validate every input row, then plan the run folder lazily: yield each shard once it is committed.
 
@@ -468,6 +403,9 @@ def iter_prepare_run(
     digest in sorted runs in a temporary folder (16 bytes per row on disk), and the planning pass numbers
     identical rows from that (:mod:`gym_ray.plan._spill_dedupe`). With ``task_ids`` or
     ``interleave_repeats`` both passes number tasks in memory instead.
+
+    ``checked``: the first pass, already run by the caller before Ray started
+    (:func:`gym_ray.plan.first_pass.validate_ahead`); taken over when it can be, else the pass runs here.
 
     Shard size: ``shard_size`` when set, else the size recorded by the folder's earlier plan (a resume
     cuts the same shards), else :func:`auto_shard_size` of the counted rows and ``num_workers``.
@@ -487,16 +425,8 @@ def iter_prepare_run(
             "output files) aside for a fresh run"
         )
     source = input_rows(settings, topology, rows)
-    counted = 0
 
-    def counting(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        nonlocal counted
-        counted = 0
-        for row in rows:
-            counted += 1
-            yield row
-
-    def plan(rows: Iterator[dict[str, Any]]) -> Iterator[ShardSpec]:
+    def plan(rows: Iterator[dict[str, Any]], counted: int) -> Iterator[ShardSpec]:
         return iter_plan(
             rows,
             output_dir,
@@ -506,32 +436,17 @@ def iter_prepare_run(
             run_rows=counted,
         )
 
-    if settings.task_ids is not None or settings.interleave_repeats:
-        # task_ids selects by task index, which the validation pass must then know exactly, and
-        # interleaving buffers the whole output anyway: number tasks in memory in both passes.
-        validate_rows(counting(source()), topology)
-        yield from plan(source())
+    if numbers_in_memory(settings):  # both passes number tasks in memory: validate here again
+        yield from plan(source(), count_rows(source(), topology))
         return
     with SpillDedupe() as dedupe:
-        try:
-            # From a file, common rows are validated without building their copies, a large file over
-            # byte ranges in parallel processes (_parallel_pass); None: not applicable
-            found = None if rows is not None else count_valid_ranges(settings, topology, dedupe)
-            if found is None and rows is None:  # one process (a small file, limit set, ...)
-                found = count_valid_rows(_limited_rows(settings, None)(), settings, topology, dedupe)
-            if found is None:
-                validate_rows(counting(source(dedupe)), topology)
-            else:
-                counted = found
-        except (GymRayError, RowsInvalid) as exc:
-            # The first pass numbers tasks with stand-ins; redo it with exact numbers so the error names
-            # each row by its real task index (failing runs only).
-            validate_rows(counting(source()), topology)
-            if isinstance(exc, GymRayError):
-                raise
-            raise InternalError(f"the validation pass refused {exc}, which the general pass accepts") from exc
+        counted = take_checked(checked, settings, dedupe) if checked is not None else None
+        if counted is None:
+            parts = first_pass(settings, topology, rows, dedupe.folder)
+            adopt_parts(dedupe, (part for _count, part in parts))
+            counted = sum(count for count, _part in parts)
         replay = dedupe.replay()
-        yield from plan(_checked(source(replay), replay))
+        yield from plan(_checked(source(replay), replay), counted)
 
 
 def _planned_shard_size(settings: RunSettings, output_dir: str, run_rows: int, num_workers: int) -> int:

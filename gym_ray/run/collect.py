@@ -33,9 +33,10 @@ from gym_ray.errors import NoProgressError
 from gym_ray.observe.health_metrics import health_metrics
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
 from gym_ray.observe.tracing import job_span, run_scope, setup_tracing
+from gym_ray.plan.first_pass import input_rows
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.run_manifest import RUN_MANIFEST
-from gym_ray.plan.shards import DEFAULT_SHARD_SIZE, RunPlan, ShardSpec, input_rows, plan_run, prepare_run
+from gym_ray.plan.shards import DEFAULT_SHARD_SIZE, RunPlan, ShardSpec, plan_run, prepare_run
 from gym_ray.record.run_lock import holding_run_folder
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error

@@ -4,8 +4,10 @@ once per environment server, resume after a cancelled run, pull-based shards bea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,8 @@ import ray._private.state as ray_state
 from gym_ray import keys
 from gym_ray.config.run_config import resolve_run_config
 from gym_ray.distributed.api import acollect, plan_from_config, run_actors
+from gym_ray.errors import ValidationError
+from gym_ray.plan.first_pass import validate_ahead
 from gym_ray.record.ledger import check_run
 from gym_ray.record.shard_files import list_shards, shard_paths
 from gym_ray.run.collect import acollect_local
@@ -222,3 +226,49 @@ async def test_800_rollouts_on_2_workers_occupy_both_with_the_automatic_shard_si
     timings = _read_json(result.summary_path)["distributed"]["shard_timings"]
     assert sorted({t["worker"] for t in timings}) == ["w0", "w1"]
     assert check_run(tmp_path).ok
+
+
+async def test_a_bad_row_is_refused_before_ray_starts(
+    servers: ThreadedDeployment, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_ray(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("Ray was started for an input with a bad row")
+
+    monkeypatch.setattr("gym_ray.distributed.api.ray_connection", no_ray)
+    rows = _rows(6)
+    rows[4][keys.AGENT_REF] = {"name": "arith_agnet"}
+    expected = r"did you mean 'arith_agent'\?\) \[row 4 \(task 4, rollout 0\)\]"
+    with pytest.raises(ValidationError, match=expected):
+        await acollect(servers.config, rows=rows, num_workers=2, output_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("host", [None, "elsewhere"], ids=["taken", "another-host"])
+async def test_the_driver_takes_over_the_callers_validation_pass(
+    ray_session: Any, servers: ThreadedDeployment, tmp_path: Path, host: str | None
+) -> None:
+    input_path = tmp_path / "rows.jsonl"
+    input_path.write_text("".join(json.dumps(row) + "\n" for row in _rows(40)), encoding="utf-8")
+    run_dir = tmp_path / "run"
+    cfg = await resolve_run_config(
+        servers.config,
+        settings={"output_dir": str(run_dir), "input_jsonl_fpath": str(input_path), "num_repeats": 2},
+    )
+    checked = validate_ahead(cfg)
+    if host is not None:
+        checked = dataclasses.replace(checked, host=host)
+    assert checked.folder is not None
+    try:
+        result = await run_actors(
+            cfg,
+            functools.partial(plan_from_config, cfg, None, 2, checked),
+            run_dir=str(run_dir),
+            num_workers=2,
+        )
+        # Nobody but the driver's dedupe removes a taken folder; one that was not taken is still there.
+        left = await asyncio.to_thread(os.path.exists, checked.folder)
+        assert left is (host is not None)
+    finally:
+        checked.discard()
+    assert (result.planned, result.succeeded) == (80, 80)
+    assert check_run(run_dir).ok

@@ -14,15 +14,25 @@ import pytest
 from gym_ray.config.run_config import RunConfig
 from gym_ray.errors import GymRayError
 from gym_ray.plan import _parallel_pass
-from gym_ray.plan._parallel_pass import count_valid_ranges, split_ranges
+from gym_ray.plan._parallel_pass import split_ranges, valid_ranges
 from gym_ray.plan._spill_dedupe import RangeRecorder, SpillDedupe
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows
+from gym_ray.plan.first_pass import adopt_parts
 from gym_ray.plan.load import load_jsonl
 from gym_ray.plan.run_manifest import read_run_manifest
 from gym_ray.plan.shards import prepare_run
 from gym_ray.record.manifest import read_manifest
 from gym_ray.servers import load_bundled_config
 from tests.plan.test_common_rows import _config, _row
+
+
+def _adopted_ranges(run: RunConfig, dedupe: SpillDedupe) -> int | None:
+    """The parallel pass's parts, adopted by ``dedupe`` in order: the rows planned (None: not applicable)."""
+    parts = valid_ranges(run.settings, run.topology, dedupe.folder)
+    if parts is None:
+        return None
+    adopt_parts(dedupe, (part for _count, part in parts))
+    return sum(count for count, _part in parts)
 
 
 def _varied_rows() -> list[Any]:
@@ -93,7 +103,7 @@ def test_ranges_in_processes_plan_what_one_process_plans_byte_for_byte(
     run = _config(tmp_path, "unused", input_path, num_repeats=2)
     assert len(split_ranges(str(input_path), processes)) == processes
     with SpillDedupe() as dedupe, SpillDedupe() as serial:  # the ranges really run in processes
-        assert count_valid_ranges(run.settings, run.topology, dedupe) == len(lines) * 2
+        assert _adopted_ranges(run, dedupe) == len(lines) * 2
         rows = load_jsonl(input_path)
         assert count_valid_rows(rows, run.settings, run.topology, serial) == len(lines) * 2
         assert dedupe.lookups == serial.lookups == 6 * 11  # every row numbered by content but `q4`
@@ -133,7 +143,7 @@ def test_a_bad_row_in_the_second_range_is_refused_with_the_one_process_message(
     monkeypatch.setattr(_parallel_pass, "PROCESSES", 2)
     run = _config(tmp_path, "ranges", input_path)
     with SpillDedupe() as dedupe, pytest.raises(RowsInvalid, match="bytes "):  # found by the child
-        count_valid_ranges(run.settings, run.topology, dedupe)
+        _adopted_ranges(run, dedupe)
     with pytest.raises(type(caught.value)) as again:
         prepare_run(run)
     assert str(again.value) == expected
@@ -157,7 +167,7 @@ def test_a_file_with_fewer_lines_than_processes(tmp_path: Path, monkeypatch: pyt
     _write(single, lines[:1])
     run = _config(tmp_path, "single", single)
     with SpillDedupe() as dedupe:
-        assert count_valid_ranges(run.settings, run.topology, dedupe) is None  # one range: one process
+        assert _adopted_ranges(run, dedupe) is None  # one range: one process
         assert dedupe.lookups == 0
 
 
@@ -204,7 +214,7 @@ def test_a_bad_row_in_the_first_range_stops_the_pass_and_its_child(
     monkeypatch.setattr(_parallel_pass, "PROCESSES", 2)
     run = _config(tmp_path, "ranges", input_path)
     with SpillDedupe() as dedupe, pytest.raises(RowsInvalid, match="row 2"):  # found here, child terminated
-        count_valid_ranges(run.settings, run.topology, dedupe)
+        _adopted_ranges(run, dedupe)
     assert dedupe.lookups == 0  # nothing handed over
     with pytest.raises(type(caught.value)) as again:
         prepare_run(run)
@@ -219,7 +229,7 @@ def _count_in_daemon(conn: Connection, input_path: str, output_dir: str) -> None
         {**load_bundled_config(), "input_jsonl_fpath": input_path, "output_dir": output_dir}
     )
     with SpillDedupe() as dedupe:
-        conn.send((count_valid_ranges(run.settings, run.topology, dedupe), dedupe.lookups))
+        conn.send((_adopted_ranges(run, dedupe), dedupe.lookups))
     conn.close()
 
 
