@@ -15,16 +15,17 @@
 
 What a local Ray costs (Ray 2.60, read from ``ray/_private/node.py`` and ``services.py``): ``ray.init``
 starts the GCS, the raylet (which starts its dashboard agent and runtime-env agent), the API server
-(``dashboard.py``, with ``include_dashboard=False`` only its minimal modules; ``ray.init`` waits for it),
-the autoscaler monitor and the log monitor. ``ray.init`` has no public switch for the last two, but its
-head's node parameters have (``no_monitor``, ``include_log_monitor``): :func:`start_ray` sets them while
-``ray.init`` builds a local head of our own, so a local run's tree is 5 Ray processes, the caller and the
-``1 + num_workers`` actor processes (two processes and ~100 MB of PSS fewer; ``gym-ray bench
-ray-vs-local``). Also ours to choose: no dashboard (``include_dashboard=False``), no log forwarding
-(``log_to_driver=False``), and the logical CPU count (:data:`LOCAL_MAX_CPUS`), which bounds the worker
-processes Ray prestarts for the first driver (they become the run's actors instead of idling). The object
-store is left at Ray's default size: it is reserved, not resident (a run ships only small specs and
-reports through it, and rows passed as a list once).
+(``dashboard.py``, with ``include_dashboard=False`` only its usage-stats module; ``ray.init`` waits until
+it has started), the autoscaler monitor and the log monitor. ``ray.init`` has no public switch for the
+last three, but its head's node parameters have one for two of them (``no_monitor``,
+``include_log_monitor``) and its ``Node`` starts the API server in one method: :func:`start_ray` sets
+the first and skips the second while ``ray.init`` builds a local head of our own, so a local run's tree
+is 4 Ray processes, the caller and the ``1 + num_workers`` actor processes (three processes fewer;
+``gym-ray bench ray-vs-local``). Also ours to choose: no dashboard (``include_dashboard=False``), no
+log forwarding (``log_to_driver=False``), and the logical CPU count (:data:`LOCAL_MAX_CPUS`), which
+bounds the worker processes Ray prestarts for the first driver (they become the run's actors instead of
+idling). The object store is left at Ray's default size: it is reserved, not resident (a run ships
+only small specs and reports through it, and rows passed as a list once).
 
 Every actor asks for ``num_cpus=0``: they wait on the network, and a CPU request would make a small
 cluster refuse to schedule them.
@@ -39,7 +40,7 @@ import logging
 import os
 import signal
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -85,43 +86,97 @@ LEAN_HEAD_PARAMS: dict[str, Any] = {"no_monitor": True, "include_log_monitor": F
 
 
 @contextmanager
-def _lean_head() -> Iterator[bool]:
-    """While ``ray.init`` starts a local head, give its node parameters :data:`LEAN_HEAD_PARAMS`.
+def _swapped(module: Any, name: str, make: Callable[[Any], Any]) -> Iterator[bool]:
+    """``module.name`` replaced by ``make(original)`` inside the block (None from ``make``: left as is).
 
-    ``ray.init`` has no argument for these two processes, but builds its head from
-    ``ray._private.parameter.RayParams``, whose constructor takes both: that name is swapped for a
-    subclass with these defaults until ``ray.init`` returns. Yields whether it could (a Ray whose
-    ``RayParams`` lacks either field starts its usual head: the run works, with two more processes).
+    Yields whether it was replaced; the original is always put back.
     """
-    try:
-        from ray._private import parameter
-
-        base = parameter.RayParams
-        fields = inspect.signature(base).parameters
-    except (ImportError, AttributeError, TypeError, ValueError):
+    base = getattr(module, name)
+    replacement = make(base)
+    if replacement is None:
         yield False
         return
-    if not all(name in fields for name in LEAN_HEAD_PARAMS):
-        yield False
-        return
-
-    class LeanRayParams(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **{**LEAN_HEAD_PARAMS, **kwargs})
-
-    parameter.RayParams = LeanRayParams  # type: ignore[misc]
+    setattr(module, name, replacement)
     try:
         yield True
     finally:
-        parameter.RayParams = base  # type: ignore[misc]
+        setattr(module, name, base)
+
+
+def _lean_params(base: Any) -> Any:
+    """A ``RayParams`` whose defaults are :data:`LEAN_HEAD_PARAMS` (None when it lacks those fields)."""
+    try:
+        fields = inspect.signature(base).parameters
+    except (TypeError, ValueError):
+        return None
+    if not all(name in fields for name in LEAN_HEAD_PARAMS):
+        return None
+
+    class LeanRayParams(base):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**LEAN_HEAD_PARAMS, **kwargs})
+
+    return LeanRayParams
+
+
+def _node_without_api_server(base: Any) -> Any:
+    """A ``Node`` that starts no API server when the dashboard is off (None when Ray's ``Node`` differs).
+
+    With ``include_dashboard=False`` Ray's API server loads only its usage-stats module, and ``ray.init``
+    waits (polling every 0.1 s) until that process has started and registered its address: ~1-2 s of
+    wall and a Python process (~100 MB RSS) for nothing a run uses. Ray treats a head without it as one
+    whose dashboard failed to start: no ``webui_url``.
+    """
+    method = getattr(base, "start_api_server", None)
+    try:
+        params = inspect.signature(method).parameters if method is not None else {}
+    except (TypeError, ValueError):
+        return None
+    if not {"include_dashboard", "raise_on_failure"} <= set(params):
+        return None
+
+    class NodeWithoutApiServer(base):  # type: ignore[misc]
+        def start_api_server(self, *, include_dashboard: bool | None, raise_on_failure: bool) -> None:
+            if include_dashboard is not False:
+                super().start_api_server(
+                    include_dashboard=include_dashboard, raise_on_failure=raise_on_failure
+                )
+                return
+            self._webui_url = None
+
+    return NodeWithoutApiServer
+
+
+@contextmanager
+def _lean_head() -> Iterator[tuple[bool, bool]]:
+    """While ``ray.init`` starts a local head, start it without the processes a run never uses.
+
+    ``ray.init`` has no argument for them, but builds its head from two names of its own:
+    ``ray._private.parameter.RayParams`` (its constructor takes :data:`LEAN_HEAD_PARAMS`) and
+    ``ray._private.node.Node`` (whose ``start_api_server`` starts the API server). Each is swapped for a
+    subclass until ``ray.init`` returns. Yields whether each swap could be made; a Ray whose names differ
+    starts its usual head (the run works, with more processes).
+    """
+    try:
+        from ray._private import node, parameter
+    except ImportError:
+        yield (False, False)
+        return
+    with (
+        _swapped(parameter, "RayParams", _lean_params) as params,
+        _swapped(node, "Node", _node_without_api_server) as api,
+    ):
+        yield (params, api)
 
 
 def start_ray(address: str | None, **options: Any) -> None:
     """``ray.init(**ray_init_kwargs(address), **options)``; a local Ray of our own starts lean.
 
-    A local head started here has no autoscaler monitor and no log monitor (:data:`LEAN_HEAD_PARAMS`):
-    two Python processes (~100 MB of PSS, ~1 s of CPU at start and ~2% of a core while idle, measured
-    on Ray 2.60) that a run on one machine never uses. Joining a cluster changes nothing there.
+    A local head started here has no autoscaler monitor and no log monitor (:data:`LEAN_HEAD_PARAMS`),
+    and no API server (with the dashboard off it serves only usage stats, and ``ray.init`` waits 1-2 s
+    for it to start): three Python processes (measured on Ray 2.60: the two monitors ~100 MB of PSS, ~1 s
+    of CPU at start and ~2% of a core while idle) that a run on one machine never uses. Joining a
+    cluster changes nothing there.
     """
     import ray
 

@@ -83,20 +83,24 @@ def test_no_move_when_the_crowded_node_has_a_single_worker() -> None:
 
 
 def test_the_lean_head_parameters_hold_only_while_ray_init_builds_a_head() -> None:
-    from ray._private import parameter
+    from ray._private import node, parameter
 
     from gym_ray.distributed.placement import LEAN_HEAD_PARAMS, _lean_head
 
-    original = parameter.RayParams
+    original, original_node = parameter.RayParams, node.Node
     assert LEAN_HEAD_PARAMS == {"no_monitor": True, "include_log_monitor": False}
     with _lean_head() as lean:
-        assert lean is True
+        assert lean == (True, True)
         params = parameter.RayParams()
         assert (params.no_monitor, params.include_log_monitor) == (True, False)
         explicit = parameter.RayParams(no_monitor=False)  # a caller's own value wins
         assert explicit.no_monitor is False
-    assert parameter.RayParams is original
+        assert issubclass(node.Node, original_node)
+        head = object.__new__(node.Node)  # only the one method is called: no process is started
+        head.start_api_server(include_dashboard=False, raise_on_failure=True)
+        assert head._webui_url is None
+    assert (parameter.RayParams, node.Node) == (original, original_node)
     with pytest.raises(RuntimeError, match="boom"), _lean_head():
         raise RuntimeError("boom")
-    assert parameter.RayParams is original  # put back when ray.init fails, too
+    assert (parameter.RayParams, node.Node) == (original, original_node)  # put back when ray.init fails
     assert original().include_log_monitor is None  # Ray's own default is untouched

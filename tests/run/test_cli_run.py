@@ -105,10 +105,11 @@ def test_a_dead_server_stops_the_run_with_exit_4_naming_it_and_records_no_failur
         ]
         result = gym_ray(args, cwd=tmp_path, ray_tmp=ray_tmp)
         assert ray_sessions(ray_tmp) != []  # this run did start Ray (the control of the preflight tests)
-        # ... a lean one: no autoscaler monitor and no log monitor (each writes its log when it starts).
+        # ... a lean one: no autoscaler monitor, no log monitor and no API server (`dashboard`; each
+        # writes its log when it starts), while the raylet's own dashboard agent runs.
         stems = ray_log_stems(ray_tmp)
-        assert {"gcs_server", "raylet", "dashboard"} <= stems, stems
-        assert {"monitor", "log_monitor"} & stems == set(), stems
+        assert {"gcs_server", "raylet", "dashboard_agent"} <= stems, stems
+        assert {"monitor", "log_monitor", "dashboard"} & stems == set(), stems
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert result.returncode == 4, result.stderr
