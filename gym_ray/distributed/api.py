@@ -71,6 +71,7 @@ from gym_ray.errors import (
 )
 from gym_ray.observe.tracing import ATTR_RUN_ID, Tracer, current_traceparent, job_span, setup_tracing
 from gym_ray.record.run_lock import holding_run_folder
+from gym_ray.run._tasks import in_stoppable_thread
 from gym_ray.run.preflight import preflight
 from gym_ray.run.signals import run_until_signal
 
@@ -461,10 +462,10 @@ async def acollect(
     show = sys.stderr.isatty() if progress is None else progress
     # Held before Ray starts: a busy folder is refused at once.
     with holding_run_folder(run_dir, what="collect"):
-        from gym_ray.plan.first_pass import validate_ahead
+        from gym_ray.plan.first_pass import CheckedInput, validate_ahead
 
         # Every row is validated before Ray starts; the driver actor takes the pass over.
-        checked = await asyncio.to_thread(validate_ahead, run, row_list)
+        checked = await in_stoppable_thread(validate_ahead, run, row_list, discard=CheckedInput.discard)
         view = ProgressView(stream=sys.stderr, enabled=True, interval_s=progress_every_s) if show else None
         try:
             return await _collect_on_ray(run, row_list, checked, address, num_workers, started, tracer, view)

@@ -36,6 +36,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -46,7 +47,7 @@ from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, InternalError
 from gym_ray.plan._spill_dedupe import RangeRecorder, RecordedPart
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows, preprocess_knobs
-from gym_ray.plan.load import MAX_LINE_BYTES, _load_jsonl_span
+from gym_ray.plan.load import MAX_LINE_BYTES, _load_jsonl_span, until_stopped
 from gym_ray.plan.preprocess import _Preprocessor
 
 __all__ = ["MAX_PROCESSES", "MIN_PARALLEL_BYTES", "PROCESSES", "CountedPart", "split_ranges", "valid_ranges"]
@@ -130,7 +131,14 @@ def _rows_kept(settings: RunSettings, topology: Topology) -> bool:
 
 
 def _count_range(
-    path: str, start: int, end: int, settings: RunSettings, topology: Topology, folder: str, name: str
+    path: str,
+    start: int,
+    end: int,
+    settings: RunSettings,
+    topology: Topology,
+    folder: str,
+    name: str,
+    stop: threading.Event | None = None,
 ) -> tuple[int, list[str], str, int]:
     """``(rows planned, sorted run files, digests file, lookups)`` of one range (files under ``folder``).
 
@@ -140,9 +148,10 @@ def _count_range(
     """
     recorder = RangeRecorder(Path(folder), name)
     try:
-        rows = _load_jsonl_span(
+        span = _load_jsonl_span(
             path, start, end, max_line_bytes=MAX_LINE_BYTES, strict_json=settings.strict_json
         )
+        rows = until_stopped(span, stop)
         count = count_valid_rows(rows, settings, topology, recorder)
         runs, digests, lookups = recorder.finish()
     finally:
@@ -174,13 +183,17 @@ def _range_child(
         conn.close()
 
 
-def valid_ranges(settings: RunSettings, topology: Topology, folder: Path) -> list[CountedPart] | None:
+def valid_ranges(
+    settings: RunSettings, topology: Topology, folder: Path, stop: threading.Event | None = None
+) -> list[CountedPart] | None:
     """Validate the input file over byte ranges in parallel processes; each range's count and lookups.
 
     Args:
         settings: The run's settings (``input_jsonl_fpath`` is the file).
         topology: The running config.
         folder: Where the ranges' files go (a new folder in it, removed again when the pass fails).
+        stop: When set, the range read here raises :class:`~gym_ray.plan.load.Stopped` (the range
+            processes are then terminated).
 
     Returns:
         Per range, in file order: the count of preprocessed rows and its recorded lookups (together what
@@ -215,7 +228,7 @@ def valid_ranges(settings: RunSettings, topology: Topology, folder: Path) -> lis
                 proc.start()
             finally:
                 sender.close()
-        results = [_count_range(path, *ranges[0], settings, topology, where, "range-0000")]
+        results = [_count_range(path, *ranges[0], settings, topology, where, "range-0000", stop)]
         for child, receiver in children:
             try:
                 kind, outcome = receiver.recv()

@@ -26,6 +26,7 @@ import itertools
 import os
 import shutil
 import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from gym_ray.errors import GymRayError, InputError, InternalError, UsageError
 from gym_ray.plan._parallel_pass import CountedPart, valid_ranges
 from gym_ray.plan._spill_dedupe import RangeRecorder, RecordedPart, SpillDedupe, owned_folder
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows, preprocess_knobs
-from gym_ray.plan.load import load_jsonl, non_finite_problem
+from gym_ray.plan.load import load_jsonl, non_finite_problem, until_stopped
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
 from gym_ray.plan.validation import validate_rows
 
@@ -64,7 +65,7 @@ def _finite_rows(rows: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any
 
 
 def _limited_rows(
-    settings: RunSettings, rows: Iterable[Mapping[str, Any]] | None
+    settings: RunSettings, rows: Iterable[Mapping[str, Any]] | None, stop: threading.Event | None = None
 ) -> Callable[[], Iterable[Mapping[str, Any]]]:
     """The input rows (read again on each call), cut to ``limit``: see :func:`input_rows`."""
     if rows is None:
@@ -89,7 +90,7 @@ def _limited_rows(
 
     def limited() -> Iterable[Mapping[str, Any]]:
         # The first ``limit`` input rows, before anything else (NeMo Gym 0.7's ``limit``).
-        return source() if limit is None else itertools.islice(source(), limit)
+        return until_stopped(source() if limit is None else itertools.islice(source(), limit), stop)
 
     return limited
 
@@ -98,6 +99,7 @@ def input_rows(
     settings: RunSettings,
     topology: Topology,
     rows: Iterable[Mapping[str, Any]] | None = None,
+    stop: threading.Event | None = None,
 ) -> Callable[..., Iterator[dict[str, Any]]]:
     """A re-iterable source of the run's preprocessed rows (the input is read once per call).
 
@@ -106,8 +108,9 @@ def input_rows(
     ``task_numbering`` (see :func:`gym_ray.plan.preprocess.iter_preprocess`). With ``strict_json`` (the
     default) a file's duplicate keys and non-finite numbers, and ``nan`` / ``inf`` in passed rows, raise
     :class:`~gym_ray.errors.InputError` naming the file and line, or the row, while the rows are read.
+    Reading raises :class:`~gym_ray.plan.load.Stopped` once ``stop`` is set.
     """
-    limited = _limited_rows(settings, rows)
+    limited = _limited_rows(settings, rows, stop)
 
     def preprocessed(task_numbering: TaskNumbering | None = None) -> Iterator[dict[str, Any]]:
         return iter_preprocess(
@@ -150,6 +153,7 @@ def first_pass(
     topology: Topology,
     rows: Iterable[Mapping[str, Any]] | None,
     folder: Path,
+    stop: threading.Event | None = None,
 ) -> list[CountedPart]:
     """Validate every input row; per part of the input, in order, the rows it plans and its lookups.
 
@@ -158,22 +162,27 @@ def first_pass(
         topology: The running config.
         rows: The input rows, or None to read ``input_jsonl_fpath``.
         folder: Where the recorded lookups go (the files stay there for :func:`adopt_parts`).
+        stop: When set (by the cancelled caller of a thread running this), the pass stops within
+            about a thousand rows.
 
     Raises:
         GymRayError: The input is unreadable or a row does not validate: the general pass's error, with
             each row named by its real task index (nothing has been written but files under ``folder``).
+        Stopped: ``stop`` was set.
     """
-    source = input_rows(settings, topology, rows)
+    source = input_rows(settings, topology, rows, stop)
     try:
         # From a file, common rows are validated without building their copies, a large file over byte
         # ranges in parallel processes; None: not applicable
-        parts = None if rows is not None else valid_ranges(settings, topology, folder)
+        parts = None if rows is not None else valid_ranges(settings, topology, folder, stop)
         if parts is None:
             recorder = RangeRecorder(folder, "whole")
             try:
                 found = None
                 if rows is None:  # one process (a small file, limit set, ...)
-                    found = count_valid_rows(_limited_rows(settings, None)(), settings, topology, recorder)
+                    found = count_valid_rows(
+                        _limited_rows(settings, None, stop)(), settings, topology, recorder
+                    )
                 if found is None:
                     found = count_rows(source(recorder), topology)
                 parts = [(found, recorder.finish())]
@@ -233,20 +242,23 @@ class CheckedInput:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def validate_ahead(run: RunConfig, rows: Iterable[Mapping[str, Any]] | None = None) -> CheckedInput:
+def validate_ahead(
+    run: RunConfig, rows: Iterable[Mapping[str, Any]] | None = None, *, stop: threading.Event | None = None
+) -> CheckedInput:
     """Run planning's first pass here, now (before Ray starts); the caller discards the result when done.
 
     Raises:
         GymRayError: What the first pass raises (a row that does not validate, an unreadable input).
+        Stopped: ``stop`` was set (see :func:`first_pass`; nothing is left behind).
     """
     settings, topology = run.settings, run.topology
     identity = _file_identity(settings) if rows is None else None
     if numbers_in_memory(settings):
-        counted = count_rows(input_rows(settings, topology, rows)(), topology)
+        counted = count_rows(input_rows(settings, topology, rows, stop)(), topology)
         return CheckedInput(counted, socket.gethostname(), None, (), identity)
     folder = owned_folder()
     try:
-        parts = first_pass(settings, topology, rows, folder)
+        parts = first_pass(settings, topology, rows, folder, stop)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise

@@ -10,8 +10,9 @@ import functools
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO, TypeVar
 
 import orjson
 
@@ -23,7 +24,16 @@ from gym_ray.plan.rows import (
 )
 
 # The row checks moved to gym_ray.plan.validation and gym_ray.plan.rows; they stay importable from here.
-__all__ = ["MAX_LINE_BYTES", "STRICT_JSON_HINT", "load_jsonl", "non_finite_problem"]
+__all__ = [
+    "MAX_LINE_BYTES",
+    "STRICT_JSON_HINT",
+    "Stopped",
+    "load_jsonl",
+    "non_finite_problem",
+    "until_stopped",
+]
+
+T = TypeVar("T")
 
 
 #: Longest accepted input line, in bytes (without its newline).
@@ -172,6 +182,32 @@ def load_jsonl(
     handle = _open_input(name)
     with handle:
         yield from _read_rows(handle.read, name, 0, max_line_bytes, strict_json)
+
+
+class Stopped(Exception):
+    """A pass over the input was asked to stop (its caller was cancelled); what it made is not kept."""
+
+
+#: Rows between two looks at a stop event (at ~20 us a row, a stop is seen within ~20 ms).
+STOP_CHECK_ROWS = 1024
+
+
+def until_stopped(rows: Iterable[T], stop: threading.Event | None) -> Iterable[T]:
+    """``rows`` (as is when ``stop`` is None), raising :class:`Stopped` once ``stop`` is set.
+
+    For a pass that runs in a worker thread: a thread cannot be cancelled, so its awaiting caller sets
+    ``stop`` when it is cancelled and waits the few milliseconds until the pass sees it.
+    """
+    return rows if stop is None else _checking(rows, stop)
+
+
+def _checking(rows: Iterable[T], stop: threading.Event) -> Iterator[T]:
+    for count, row in enumerate(rows):
+        if not count % STOP_CHECK_ROWS and stop.is_set():
+            raise Stopped("stopped")
+        yield row
+    if stop.is_set():
+        raise Stopped("stopped")
 
 
 def _open_input(name: str) -> BinaryIO:

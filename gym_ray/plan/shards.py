@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -362,6 +363,7 @@ def prepare_run(
     *,
     rows: Iterable[Mapping[str, Any]] | None = None,
     num_workers: int = 1,
+    stop: threading.Event | None = None,
 ) -> RunPlan:
     """Validate every input row against the config, then plan the whole run folder (no dispatch).
 
@@ -371,7 +373,7 @@ def prepare_run(
     """
     root = Path(_output_dir(run.settings))
     resumed = (root / RUN_MANIFEST).exists()
-    specs = tuple(iter_prepare_run(run, rows=rows, num_workers=num_workers))
+    specs = tuple(iter_prepare_run(run, rows=rows, num_workers=num_workers, stop=stop))
     manifest = read_run_manifest(root) or {}
     return RunPlan(
         run_dir=str(root),
@@ -389,6 +391,7 @@ def iter_prepare_run(
     rows: Iterable[Mapping[str, Any]] | None = None,
     num_workers: int = 1,
     checked: CheckedInput | None = None,
+    stop: threading.Event | None = None,
 ) -> Generator[ShardSpec, None, None]:
     """Validate every input row, then plan the run folder lazily: yield each shard once it is committed.
 
@@ -406,6 +409,8 @@ def iter_prepare_run(
 
     ``checked``: the first pass, already run by the caller before Ray started
     (:func:`gym_ray.plan.first_pass.validate_ahead`); taken over when it can be, else the pass runs here.
+    ``stop``: once set (by the cancelled caller of the thread planning runs in), reading the input raises
+    :class:`~gym_ray.plan.load.Stopped` within about a thousand rows (a shard being cut is not committed).
 
     Shard size: ``shard_size`` when set, else the size recorded by the folder's earlier plan (a resume
     cuts the same shards), else :func:`auto_shard_size` of the counted rows and ``num_workers``.
@@ -424,7 +429,7 @@ def iter_prepare_run(
             "deletes results: pass +resume_from_cache=true to resume it, or move the folder (and the "
             "output files) aside for a fresh run"
         )
-    source = input_rows(settings, topology, rows)
+    source = input_rows(settings, topology, rows, stop)
 
     def plan(rows: Iterator[dict[str, Any]], counted: int) -> Iterator[ShardSpec]:
         return iter_plan(
@@ -442,7 +447,7 @@ def iter_prepare_run(
     with SpillDedupe() as dedupe:
         counted = take_checked(checked, settings, dedupe) if checked is not None else None
         if counted is None:
-            parts = first_pass(settings, topology, rows, dedupe.folder)
+            parts = first_pass(settings, topology, rows, dedupe.folder, stop)
             adopt_parts(dedupe, (part for _count, part in parts))
             counted = sum(count for count, _part in parts)
         replay = dedupe.replay()

@@ -39,7 +39,7 @@ from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.plan.shards import DEFAULT_SHARD_SIZE, RunPlan, ShardSpec, plan_run, prepare_run
 from gym_ray.record.run_lock import holding_run_folder
 from gym_ray.record.writer import ShardWriter
-from gym_ray.run._tasks import first_error
+from gym_ray.run._tasks import first_error, in_stoppable_thread
 from gym_ray.run.finalize import finalize_run
 from gym_ray.run.preflight import preflight
 from gym_ray.run.result import RunResult, ShardReport
@@ -400,7 +400,7 @@ async def _collect_locked(
     started: float,
 ) -> RunResult:
     with measuring("plan"):
-        plan = await asyncio.to_thread(prepare_run, run, rows=rows)
+        plan = await in_stoppable_thread(prepare_run, run, rows=rows)
     specs = iter(plan.shards)
 
     async def next_spec() -> ShardSpec | None:
