@@ -2,17 +2,42 @@
 ``acollect``.
 
 Importing this package does not import Ray; the actors are plain classes made remote by
-:func:`~gym_ray.distributed.api.run_actors` (every actor with ``num_cpus=0``: they are IO bound).
+:func:`~gym_ray.distributed.api.run_actors` (every actor with ``num_cpus=0``: they are IO bound). Its
+names are imported on first use (PEP 562), so an actor process that imports
+``gym_ray.distributed.worker`` does not also import ``collect``'s planning and the other actors.
 """
 
 from __future__ import annotations
 
-from gym_ray.distributed.api import RunActors, acollect, collect, plan_from_config, run_actors
-from gym_ray.distributed.coordinator import RunCoordinator, RunStatus, ShardTiming
-from gym_ray.distributed.driver import DriverStatus, ShardDriver, ShardFailure
-from gym_ray.distributed.host import RunHost
-from gym_ray.distributed.live import ProgressSnapshot
-from gym_ray.distributed.worker import RolloutWorker, WorkerProgress, WorkerTotals
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gym_ray.distributed.api import RunActors, acollect, collect, plan_from_config, run_actors
+    from gym_ray.distributed.coordinator import RunCoordinator, RunStatus, ShardTiming
+    from gym_ray.distributed.driver import DriverStatus, ShardDriver, ShardFailure
+    from gym_ray.distributed.host import RunHost
+    from gym_ray.distributed.live import ProgressSnapshot
+    from gym_ray.distributed.worker import RolloutWorker, WorkerProgress, WorkerTotals
+
+_LAZY: dict[str, str] = {
+    "DriverStatus": "gym_ray.distributed.driver",
+    "ProgressSnapshot": "gym_ray.distributed.live",
+    "RolloutWorker": "gym_ray.distributed.worker",
+    "RunActors": "gym_ray.distributed.api",
+    "RunCoordinator": "gym_ray.distributed.coordinator",
+    "RunHost": "gym_ray.distributed.host",
+    "RunStatus": "gym_ray.distributed.coordinator",
+    "ShardDriver": "gym_ray.distributed.driver",
+    "ShardFailure": "gym_ray.distributed.driver",
+    "ShardTiming": "gym_ray.distributed.coordinator",
+    "WorkerProgress": "gym_ray.distributed.worker",
+    "WorkerTotals": "gym_ray.distributed.worker",
+    "acollect": "gym_ray.distributed.api",
+    "collect": "gym_ray.distributed.api",
+    "plan_from_config": "gym_ray.distributed.api",
+    "run_actors": "gym_ray.distributed.api",
+}
 
 __all__ = [
     "DriverStatus",
@@ -32,3 +57,16 @@ __all__ = [
     "plan_from_config",
     "run_actors",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gym_ray.distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
