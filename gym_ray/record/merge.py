@@ -27,9 +27,11 @@ Memory is bounded by one shard (a unit of work), not by the run. Two ways, same 
   This way reads every shard a second time (the first way's pass showed they share identities).
 
 Concurrency: the per-shard work (read, order, and in the first way keep) is independent per shard. With
-at least two shards and more than ``pool_min_bytes`` of shard data it runs in a ``spawn`` process pool of
-``min(workers, shards)`` processes (each holds one shard at a time, so each is bounded by one shard too);
-otherwise in this process. The pool
+at least two shards and more than ``pool_min_bytes`` of shard data, ``min(workers, shards)`` processes do
+it: this one and a ``spawn`` process pool of the others. Every shard is queued on the pool, and this
+process takes shards back from the end of the queue (those the pool has not started) and does them itself,
+so it works while the pool's processes start. Each process holds one shard at a time, so each is bounded by
+one shard. Otherwise this process does every shard. The pool
 is owned by the call and shut down (its processes joined) before it returns or raises; only the
 interpreter-wide multiprocessing resource tracker, started on first use, outlives it. Either way the
 results are taken in shard order, so the output bytes, counts and the error raised (the first failing
@@ -152,9 +154,10 @@ def merge_shards(
         run_dir: The run folder.
         output_prefix: Stem of the merged files (``[A-Za-z0-9._-]``).
         fan_in: Most sorted shard files merged at once (>= 2).
-        workers: Most processes sorting shards at once (>= 1); None means the CPUs this process may use.
-            A pool of ``min(workers, shards)`` processes is used only when that is >= 2 and the shards
-            hold more than ``pool_min_bytes``; otherwise shards are sorted in this process.
+        workers: Most processes sorting shards at once (>= 1), this one included; None means the CPUs
+            this process may use. When ``min(workers, shards)`` is >= 2 and the shards hold more than
+            ``pool_min_bytes``, a pool of ``min(workers, shards) - 1`` processes sorts shards beside this
+            one; otherwise shards are sorted in this process.
         pool_min_bytes: Shard bytes (>= 0) above which a process pool is worth its start-up cost.
 
     Returns:
