@@ -342,7 +342,7 @@ def _keep_packed(packed: _Packed, successes_path: Path, failures_path: Path) -> 
 
 def _write_lines(path: Path, keys: list[int], raws: list[bytes], seq_mask: int) -> None:
     """Write the lines of ``keys`` (in order), each ending in ``\n``, in batches of ``_WRITE_BATCH``."""
-    with path.open("wb", buffering=0) as out:
+    with path.open("wb") as out:  # buffered: a short write of a large batch is written on, not dropped
         for start in range(0, len(keys), _WRITE_BATCH):
             batch = [raws[key & seq_mask] for key in keys[start : start + _WRITE_BATCH]]
             batch.append(b"")
