@@ -10,7 +10,13 @@ lines, so that the two ways it combines shards share one reading rule and one ke
 - **Shards sharing identities**: every shard's ordered lines are merged first, then kept (``merge.py``).
 
 Both apply :func:`keep_lines` to lines in ``(task, rollout, kind, attempt, shard, sequence)`` order, so a
-line kept (or dropped, and under which count) does not depend on the way taken.
+line kept (or dropped, and under which count) does not depend on the way taken. A disjoint shard whose
+indices all fit in int64 (every shard gym_ray writes) takes a faster form of the same rules: one packed
+integer key per line, sorted, and kept with no per-line Python where nothing is dropped
+(:func:`_read_packed`, :func:`_keep_packed`; the same bytes and counts, ``tests/record/
+test_merge_packed.py``). Where reading costs go (one bench shard of 15,625 lines of 316 bytes, in process,
+December 2, loaded machine): reading and splitting ~0.4 us per line, ``orjson.loads`` 1.5-2 (the check that
+a line is a JSON object; it also builds the record), keys ~0.6, sorting and writing ~1.
 """
 
 from __future__ import annotations

@@ -235,11 +235,14 @@ def test_this_process_takes_shards_from_the_back_while_the_pool_works(tmp_path: 
     """A pool whose one process is busy with shard 0 leaves every other shard to this thread, in order."""
     shards = [f"s{n}" for n in range(6)]
     ran_by: dict[int, str] = {}
-    others_done = threading.Event()
+    zero_started, others_done = threading.Event(), threading.Event()
 
     def job(base: Path, shard: str, number: int, tmp: Path) -> str:
-        if number == 0:
+        if number == 0:  # the pool's one thread takes shard 0 first and holds it until 1-5 are done
+            zero_started.set()
             assert others_done.wait(_WAIT_S)
+        if number == 5:  # the first shard this thread takes back: by then the pool is busy with shard 0
+            assert zero_started.wait(_WAIT_S)
         ran_by[number] = threading.current_thread().name
         if number == 1:
             others_done.set()
