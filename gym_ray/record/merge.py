@@ -27,9 +27,11 @@ Memory is bounded by one shard (a unit of work), not by the run. Two ways, same 
   This way reads every shard a second time (the first way's pass showed they share identities).
 
 Concurrency: the per-shard work (read, order, and in the first way keep) is independent per shard. With
-at least two shards and more than ``pool_min_bytes`` of shard data it runs in a ``spawn`` process pool of
-``min(workers, shards)`` processes (each holds one shard at a time, so each is bounded by one shard too);
-otherwise in this process. The pool
+at least two shards and more than ``pool_min_bytes`` of shard data, ``min(workers, shards)`` processes do
+it: this one and a ``spawn`` process pool of the others. Every shard is queued on the pool, and this
+process takes shards back from the end of the queue (those the pool has not started) and does them itself,
+so it works while the pool's processes start. Each process holds one shard at a time, so each is bounded by
+one shard. Otherwise this process does every shard. The pool
 is owned by the call and shut down (its processes joined) before it returns or raises; only the
 interpreter-wide multiprocessing resource tracker, started on first use, outlives it. Either way the
 results are taken in shard order, so the output bytes, counts and the error raised (the first failing
@@ -46,12 +48,12 @@ from __future__ import annotations
 import binascii
 import concurrent.futures
 import contextlib
+import errno
 import heapq
 import itertools
 import multiprocessing
 import os
 import re
-import shutil
 import struct
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -75,6 +77,9 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _READ_CHUNK = 1 << 20
 _RUN_BUFFER = 1 << 18
 _WRITE_BATCH = 4096
+_COPY_CHUNK = 1 << 30
+#: copy_file_range errors that mean "not between these files": the copy goes on through a buffer.
+_NO_COPY_RANGE = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF})
 #: Default ``pool_min_bytes``: below this much shard data, starting worker processes (each imports gym_ray,
 #: about half a second) costs more than sorting in this process saves.
 POOL_MIN_BYTES = 32 << 20
@@ -149,9 +154,10 @@ def merge_shards(
         run_dir: The run folder.
         output_prefix: Stem of the merged files (``[A-Za-z0-9._-]``).
         fan_in: Most sorted shard files merged at once (>= 2).
-        workers: Most processes sorting shards at once (>= 1); None means the CPUs this process may use.
-            A pool of ``min(workers, shards)`` processes is used only when that is >= 2 and the shards
-            hold more than ``pool_min_bytes``; otherwise shards are sorted in this process.
+        workers: Most processes sorting shards at once (>= 1), this one included; None means the CPUs
+            this process may use. When ``min(workers, shards)`` is >= 2 and the shards hold more than
+            ``pool_min_bytes``, a pool of ``min(workers, shards) - 1`` processes sorts shards beside this
+            one; otherwise shards are sorted in this process.
         pool_min_bytes: Shard bytes (>= 0) above which a process pool is worth its start-up cost.
 
     Returns:
@@ -210,7 +216,7 @@ def merge_shards(
             if processes >= 2 and _shard_bytes(base, shards) > pool_min_bytes:
                 pool = stack.enter_context(
                     concurrent.futures.ProcessPoolExecutor(
-                        max_workers=processes, mp_context=multiprocessing.get_context("spawn")
+                        max_workers=processes - 1, mp_context=multiprocessing.get_context("spawn")
                     )
                 )
             tally = _merge(base, shards, successes_path, failures_path, fan_in, pool)
@@ -287,8 +293,25 @@ def _merge(
 
 
 def _append_file(path: Path, out: BinaryIO) -> None:
-    with path.open("rb") as source:
-        shutil.copyfileobj(source, out, _READ_CHUNK)
+    """Append ``path``'s bytes to ``out``: in the kernel (``os.copy_file_range``) where the platform and
+    the file systems allow, else through a buffer."""
+    out.flush()
+    with path.open("rb", buffering=0) as source:
+        src, dst = source.fileno(), out.fileno()
+        copy_range = getattr(os, "copy_file_range", None)
+        if copy_range is not None:
+            try:
+                while copy_range(src, dst, _COPY_CHUNK):
+                    pass
+                return
+            except OSError as exc:
+                if exc.errno not in _NO_COPY_RANGE:
+                    raise
+        # what copy_file_range copied moved both file offsets, so the buffered copy goes on from there
+        while chunk := os.read(src, _READ_CHUNK):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(dst, view) :]
 
 
 def _merge_sorted(
@@ -327,18 +350,38 @@ def _merge_sorted(
 def _each_shard(
     job: Callable[..., _T], base: Path, shards: list[str], tmp: Path, pool: Executor | None, *args: Any
 ) -> list[_T]:
-    """``job(base, shard, number, tmp, *args)`` for each shard (by ``pool``'s processes if given), in shard
-    order.
+    """``job(base, shard, number, tmp, *args)`` for each shard, results in shard order.
 
-    The first failing shard in shard order raises its error. Before this returns or raises, every
-    shard job still queued is cancelled and every running one has finished, so none writes into ``tmp``
-    after it is removed.
+    Without a pool, this process runs every job. With one, every job is queued on the pool and this
+    process takes them back from the end of the queue (a job the pool has not started can be cancelled)
+    and runs them itself, until it reaches one the pool has started: from then on every earlier one is
+    the pool's. So this process works while the pool's processes start, and both end about together.
+
+    The first failing shard in shard order raises its error (after an error here, this process takes no
+    more jobs; the earlier ones still run, since one of them may fail first). Before this returns or
+    raises, every shard job still queued is cancelled and every running one has finished, so none writes
+    into ``tmp`` after it is removed.
     """
     if pool is None:
         return [job(base, shard, number, tmp, *args) for number, shard in enumerate(shards)]
     futures = [pool.submit(job, base, shard, number, tmp, *args) for number, shard in enumerate(shards)]
+    here: dict[int, _T] = {}
+    errors: dict[int, Exception] = {}
     try:
-        return [future.result() for future in futures]
+        for number in range(len(shards) - 1, -1, -1):
+            if not futures[number].cancel():
+                break  # the pool has started it, and (it starts them in order) every earlier one
+            try:
+                here[number] = job(base, shards[number], number, tmp, *args)
+            except Exception as exc:  # raised below in shard order, as the pool's would be
+                errors[number] = exc
+                break
+        results: list[_T] = []
+        for number, future in enumerate(futures):
+            if number in errors:
+                raise errors[number]
+            results.append(here[number] if number in here else future.result())
+        return results
     finally:
         for future in futures:
             future.cancel()

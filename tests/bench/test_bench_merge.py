@@ -1,0 +1,33 @@
+"""Smoke test of the merge benchmark (tiny sizes; figures not asserted, only what they are made of)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gym_ray import keys
+from gym_ray.bench.merge_bench import ROLLOUTS_PER_TASK, run_merge_bench, write_shards
+
+
+def test_shards_are_blocks_of_tasks_in_shuffled_order(tmp_path: Path) -> None:
+    written = write_shards(tmp_path, 10, 2)
+    assert (written["rows"], written["shards"]) == (10, 2)
+    identities = []
+    for shard in ("00000", "00001"):
+        lines = (tmp_path / f"rollouts-{shard}.jsonl").read_bytes().splitlines()
+        identities.append([(r[keys.TASK_INDEX], r[keys.ROLLOUT_INDEX]) for r in map(json.loads, lines)])
+    # 10 rows of 4 rollouts per task: tasks 0-1 in the first shard, task 2 (rollouts 0 and 1) in the second
+    assert ROLLOUTS_PER_TASK == 4
+    assert sorted(identities[0]) == [(t, r) for t in (0, 1) for r in range(4)]
+    assert sorted(identities[1]) == [(2, 0), (2, 1)]
+    assert written["bytes"] == sum(p.stat().st_size for p in tmp_path.glob("rollouts-*.jsonl"))
+
+
+def test_bench_reports_the_merging_and_the_sorting_processes_cpu() -> None:
+    result = run_merge_bench(2000, 4)
+    assert result["rows"] == 2000
+    assert result["lines_per_s"] > 0
+    # 2,000 rows are far below the pool's threshold: the merging process sorts every shard, no pool starts
+    assert result["sorting_processes_cpu_s"] == 0
+    assert result["merge_cpu_us_per_line"] == result["merge_cpu_s"] / 2000 * 1e6
+    assert 0 < result["baseline_rss_mb"] <= result["peak_rss_mb"]
