@@ -6,9 +6,10 @@ every row's 64-bit content digest again and hashing the sequence; here it proves
 
 1. Pass 1 (:class:`ChunkLog`): each chunk the reader takes from one part of the file (about 64 KiB; a
    byte range of the parallel pass, or the whole file) is hashed (BLAKE2b, 16 bytes) into a file next to
-   the part's other records, after a header holding the part's ``start`` and ``end`` offsets.
-2. Pass 2 (:class:`ChunkCheck`): the file is read again part by part, cut into the same chunks (same
-   offsets, same sizes), and each chunk is compared with its recorded hash *before* any of its lines is
+   the part's other records with its length, after a header holding the part's ``start`` and ``end``
+   offsets (the parts must cover the file from byte 0, in order).
+2. Pass 2 (:class:`ChunkCheck`): the file is read again from its start, cut into the same chunks (the
+   lengths are recorded), and each chunk is compared with its recorded hash *before* any of its lines is
    parsed. A chunk that differs or bytes past the last part's end raise
    :class:`~gym_ray.errors.InputError` (:data:`CHANGED`, "the rows' contents differ"); a file that ends
    early ends the rows (the caller's count of rows then says how many are missing), and
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gym_ray.errors import InputError, InternalError
@@ -39,7 +40,9 @@ CHANGED = (
 _DIFFER = "the rows' contents differ"
 _DIGEST_BYTES = 16
 _HEADER = struct.Struct("<QQ")
+_RECORD = struct.Struct(f"<Q{_DIGEST_BYTES}s")  # a chunk's length and hash
 _TO_EOF = (1 << 64) - 1  # a part that runs to the end of the file
+_RECORDS_PER_READ = 1024
 
 #: A file's ``read(size)``.
 Read = Callable[[int], bytes]
@@ -74,12 +77,12 @@ class ChunkLog:
 
     def wrap(self, read: Read) -> Read:
         """``read``, hashing each chunk it returns into the log."""
-        write = self._out.write
+        write, pack = self._out.write, _RECORD.pack
 
         def logged(size: int) -> bytes:
             data = read(size)
             if data:
-                write(_digest(data))
+                write(pack(len(data), _digest(data)))
             return data
 
         return logged
@@ -90,21 +93,31 @@ class ChunkLog:
 
 
 class _Part:
-    __slots__ = ("digests", "end", "start")
+    __slots__ = ("chunks", "end", "path", "start")
 
     def __init__(self, path: Path) -> None:
-        data = path.read_bytes()
-        if len(data) < _HEADER.size or (len(data) - _HEADER.size) % _DIGEST_BYTES:
-            raise InternalError(f"{path} is not a chunk hashes file ({len(data)} bytes)")
-        self.start, end = _HEADER.unpack_from(data)
+        size = path.stat().st_size
+        with path.open("rb") as src:
+            header = src.read(_HEADER.size)
+        if len(header) < _HEADER.size or (size - _HEADER.size) % _RECORD.size:
+            raise InternalError(f"{path} is not a chunk hashes file ({size} bytes)")
+        self.path = path
+        self.start, end = _HEADER.unpack(header)
         self.end: int | None = None if end == _TO_EOF else end
-        self.digests = data[_HEADER.size :]
+        self.chunks = (size - _HEADER.size) // _RECORD.size
+
+    def records(self) -> Iterator[tuple[int, bytes]]:
+        """Each chunk's ``(length, hash)``, in order, read a block at a time."""
+        with self.path.open("rb") as src:
+            src.seek(_HEADER.size)
+            while block := src.read(_RECORD.size * _RECORDS_PER_READ):
+                yield from _RECORD.iter_unpack(block)
 
 
 class ChunkCheck:
     """Pass 2: reads the input again as pass 1 did, comparing each chunk with its recorded hash.
 
-    Memory: the recorded hashes (16 bytes per 64 KiB of input: 36 KB for 144 MB).
+    Memory: one block of recorded chunks at a time (the files hold 24 bytes per chunk read).
 
     Args:
         files: The parts' chunk hashes files, in input order, covering the file from byte 0 without gaps
@@ -121,37 +134,32 @@ class ChunkCheck:
             if at is None or part.start != at:
                 raise InternalError(f"the recorded parts of the input are not contiguous at {part.start}")
             at = part.end
-        self._recorded = sum(len(part.digests) for part in self._parts) // _DIGEST_BYTES
+        self._recorded = sum(part.chunks for part in self._parts)
         self._compared = 0
 
     def reader(self, file_read: Read) -> Read:
-        """A ``read(size)`` over ``file_read`` (the input file's, opened at byte 0) giving pass 1's chunks.
+        """A ``read(size)`` over ``file_read`` (the input file's, opened at byte 0) giving pass 1's chunks
+        (each of the length pass 1 read, whatever ``size`` is asked: the line reader takes any length).
 
         Raises (from the returned function):
-            InputError: A chunk differs from pass 1's, the file ends early or holds more than pass 1 read.
+            InputError: A chunk differs from pass 1's, or the file holds more than pass 1 read.
         """
-        parts = iter(self._parts)
-        part: _Part | None = next(parts, None)
-        pos = index = 0
+        chunks = (chunk for part in self._parts for chunk in part.records())
 
         def read(size: int) -> bytes:
-            nonlocal part, pos, index
-            while part is not None:
-                want = size if part.end is None else min(size, part.end - pos)
-                data = file_read(want) if want > 0 else b""
-                if data:
-                    if _digest(data) != part.digests[index : index + _DIGEST_BYTES]:
-                        raise changed(_DIFFER)
-                    pos += len(data)
-                    index += _DIGEST_BYTES
-                    self._compared += 1
-                    return data
-                if index != len(part.digests):
-                    return b""  # the file ends early: the rows counted at the end say how many are missing
-                part, index = next(parts, None), 0
-                if part is None and file_read(1):
+            recorded = next(chunks, None)
+            if recorded is None:
+                if file_read(1):
                     raise changed(_DIFFER)  # bytes past those validated
-            return b""
+                return b""
+            length, digest = recorded
+            data = file_read(length)
+            if not data:
+                return b""  # the file ends early: the rows counted at the end say how many are missing
+            if len(data) != length or _digest(data) != digest:
+                raise changed(_DIFFER)
+            self._compared += 1
+            return data
 
         return read
 
