@@ -5,7 +5,7 @@ second numbers and cuts them. Both must see the same input. The second pass used
 every row's 64-bit content digest again and hashing the sequence; here it proves it from the bytes:
 
 1. Pass 1 (:class:`ChunkLog`): each chunk the reader takes from one part of the file (about 64 KiB; a
-   byte range of the parallel pass, or the whole file) is hashed (BLAKE2b, 16 bytes) into a file next to
+   byte range of the parallel pass, or the whole file) is hashed (SHA-256, 16 bytes kept) into a file next to
    the part's other records with its length, after a header holding the part's ``start`` and ``end``
    offsets (the parts must cover the file from byte 0, in order).
 2. Pass 2 (:class:`ChunkCheck`): the file is read again from its start, cut into the same chunks (the
@@ -59,7 +59,8 @@ def chunks_path(digests: Path) -> Path:
 
 
 def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
+    # SHA-256 (about twice BLAKE2b's speed on CPUs with SHA instructions), its first 16 bytes kept
+    return hashlib.sha256(data).digest()[:_DIGEST_BYTES]
 
 
 class ChunkLog:
