@@ -411,7 +411,9 @@ def iter_prepare_run(
     Memory does not grow with the number of distinct tasks: the validation pass records each row's content
     digest in sorted runs in a temporary folder (16 bytes per row on disk), and the planning pass numbers
     identical rows from that (:mod:`gym_ray.plan._spill_dedupe`). With ``task_ids`` or
-    ``interleave_repeats`` both passes number tasks in memory instead.
+    ``interleave_repeats`` both passes number tasks in memory instead. When the validation pass read a
+    file, the planning pass proves it reads the same bytes (a hash per chunk read,
+    :mod:`gym_ray.plan._input_chunks`) and numbers tasks by order, taking no content digest again.
 
     ``checked``: the first pass, already run by the caller before Ray started
     (:func:`gym_ray.plan.first_pass.validate_ahead`); taken over when it can be, else the pass runs here.

@@ -162,3 +162,23 @@ def test_an_unchanged_file_is_planned_as_the_digest_check_plans_it_with_one_dige
     passes.append("first")
     assert _plan_bytes(tmp_path, "digests", input_path, num_repeats=2, **extra) == proved
     assert digests.count("second") == rows
+
+
+def test_the_validation_pass_digests_the_sorted_text_its_duplicate_key_check_encoded(tmp_path: Path) -> None:
+    input_path = tmp_path / "rows.jsonl"
+    params = '"responses_create_params": {"input": "q"}'
+    lines = f'{{"b": 1, {params}, "a": {{"d": [2, "é"], "c": null}}}}\n{{{params}}}\n'
+    input_path.write_text(lines, encoding="utf-8")
+    reader = load.load_jsonl(input_path)
+    first = next(reader)
+    expected = '{"a":{"c":null,"d":[2,"é"]},"b":1,"responses_create_params":{"input":"q"}}'
+    assert load.sorted_text(first) == expected.encode()
+    assert load.sorted_text(dict(first)) is None  # an equal row that is not the one just read
+    second = next(reader)
+    assert load.sorted_text(second) == b'{"responses_create_params":{"input":"q"}}'
+    assert load.sorted_text(first) is None  # the last row read only
+    # a block holding a run of 19 digits (json reads it) or a lenient read encodes nothing
+    input_path.write_text(f'{{{params}, "n": 1234567890123456789}}\n', encoding="utf-8")
+    assert load.sorted_text(next(load.load_jsonl(input_path))) is None
+    input_path.write_text(f"{{{params}}}\n", encoding="utf-8")
+    assert load.sorted_text(next(load.load_jsonl(input_path, strict_json=False))) is None
