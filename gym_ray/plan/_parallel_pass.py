@@ -149,7 +149,12 @@ def _count_range(
     recorder = RangeRecorder(Path(folder), name)
     try:
         span = _load_jsonl_span(
-            path, start, end, max_line_bytes=MAX_LINE_BYTES, strict_json=settings.strict_json
+            path,
+            start,
+            end,
+            max_line_bytes=MAX_LINE_BYTES,
+            strict_json=settings.strict_json,
+            wrap_read=recorder.chunk_log(start, end),
         )
         rows = until_stopped(span, stop)
         count = count_valid_rows(rows, settings, topology, recorder)

@@ -25,7 +25,10 @@ the next dedupe started on the same host (:func:`reclaim_stale_folders`).
 
 Safety: pass 2 must see the lookups pass 1 saw. A running BLAKE2b over the digest sequence is compared at
 :meth:`DedupeReplay.finish`; a longer or different second pass raises :class:`InputError` (the input
-changed between the passes). Nothing here is thread-safe.
+changed between the passes). When pass 1 read an input file and logged a hash of every chunk it read
+(:meth:`RangeRecorder.chunk_log`, :mod:`gym_ray.plan._input_chunks`), pass 2 proves it reads the same
+bytes instead (:meth:`SpillDedupe.chunk_check`) and numbers by order alone
+(:meth:`DedupeReplay.trust_bytes`): no digest is taken again. Nothing here is thread-safe.
 """
 
 from __future__ import annotations
@@ -38,11 +41,12 @@ import socket
 import sys
 import tempfile
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 from gym_ray.errors import InputError, InternalError
+from gym_ray.plan._input_chunks import CHANGED, ChunkCheck, ChunkLog, Read, chunks_path
 
 __all__ = [
     "DedupeReplay",
@@ -59,10 +63,7 @@ _U64_MASK = (1 << 64) - 1
 _SOURCE, _DUPLICATE, _LAST_DUPLICATE = 0, 1, 2
 _READ_BLOCK = 1024  # records read per run file at a time (16 KiB)
 _FAN_IN = 64  # run files merged at once: bounds open files and read buffers (1 MiB)
-_CHANGED = (
-    "the input changed between the validation pass and the planning pass ({detail}); "
-    "do not edit the input file while a run is being planned, then run again"
-)
+_CHANGED = CHANGED
 
 
 def _u64_typecode() -> str:
@@ -217,6 +218,7 @@ class SpillDedupe:
         self._sequence = hashlib.blake2b(digest_size=16)
         self._ordinals = 0
         self._replayed = False
+        self._chunk_files: list[Path] | None = []  # per adopted part; None once a lookup came without
 
     def __enter__(self) -> SpillDedupe:
         return self
@@ -268,6 +270,19 @@ class SpillDedupe:
         for path in runs:
             self._records.adopt(path, self._ordinals)
         self._ordinals += lookups
+        chunks = chunks_path(digests)
+        if self._chunk_files is not None:
+            self._chunk_files = [*self._chunk_files, chunks] if chunks.exists() else None
+
+    def chunk_check(self) -> ChunkCheck | None:
+        """The check that pass 2 reads the bytes pass 1 validated, or None when pass 1 did not log them.
+
+        Not None only when every lookup came from adopted parts, each with its chunk hashes
+        (:meth:`RangeRecorder.chunk_log`), together covering the input file from its first byte.
+        """
+        if not self._chunk_files:
+            return None
+        return ChunkCheck(self._chunk_files)
 
     def add(self, key: int) -> int:
         """Record one digest lookup of pass 1; return its ordinal (a stand-in for the task index).
@@ -285,6 +300,7 @@ class SpillDedupe:
         self._ordinals = ordinal + 1
         self._sequence.update(key.to_bytes(8, "little"))
         self._records.add((key << _ORDINAL_BITS) | ordinal)
+        self._chunk_files = None  # a lookup of no logged part: pass 2 checks the digests
         return ordinal
 
     def replay(self) -> DedupeReplay:
@@ -327,7 +343,23 @@ class RangeRecorder:
         self._path = folder / f"{name}.digests"
         self._out = self._path.open("wb")
         self._keys = array(_U64)
+        self._chunks: ChunkLog | None = None
         self.lookups = 0
+
+    def chunk_log(self, start: int, end: int | None) -> Callable[[Read], Read]:
+        """A wrapper of the ``read(size)`` this part reads the input file with (bytes ``start`` to ``end``;
+        None: to its end) that logs a hash of each chunk, so pass 2 can prove it reads the same bytes
+        (:meth:`SpillDedupe.chunk_check`). The log is created when the wrapper is called (a part that
+        never starts reading has none) and closed by :meth:`finish`.
+        """
+
+        def wrap(read: Read) -> Read:
+            if self._chunks is not None:
+                raise InternalError("a RangeRecorder logs the chunks of one read only")
+            self._chunks = ChunkLog(chunks_path(self._path), start, end)
+            return self._chunks.wrap(read)
+
+        return wrap
 
     def add(self, key: int, /) -> int:
         """Record one digest lookup; return its ordinal within the part."""
@@ -346,12 +378,15 @@ class RangeRecorder:
         try:
             self._keys.tofile(self._out)
         finally:
-            self._out.close()
+            self.close()
         return RecordedPart(self._records.spilled(), self._path, self.lookups)
 
     def close(self) -> None:
-        """Close the digests file (idempotent; the files stay for the dedupe's folder to remove)."""
+        """Close the digests file and the chunk log (idempotent; the files stay for the dedupe's folder to
+        remove)."""
         self._out.close()
+        if self._chunks is not None:
+            self._chunks.close()
 
 
 def _event(ordinal: int, kind: int, source: int) -> int:
@@ -394,6 +429,12 @@ class DedupeReplay:
         self._ordinal = 0
         self._next_task = 0
         self._open: dict[int, int] = {}  # source ordinal -> task index, while duplicates are ahead
+        self.ignores_keys = False
+
+    def trust_bytes(self) -> None:
+        """Number by order alone: pass 2 proves it reads pass 1's bytes (a :class:`ChunkCheck`), so the
+        keys are not compared (``ignores_keys``: preprocessing then takes no digest and passes 0)."""
+        self.ignores_keys = True
 
     def add(self, key: int) -> int:
         """The task index of the next lookup.
@@ -405,7 +446,8 @@ class DedupeReplay:
         if ordinal >= self._lookups:
             raise InputError(_CHANGED.format(detail=f"more than {self._lookups} rows to number"), row=None)
         self._ordinal = ordinal + 1
-        self._sequence.update(key.to_bytes(8, "little"))
+        if not self.ignores_keys:
+            self._sequence.update(key.to_bytes(8, "little"))
         event = self._next_event
         if event is None or event >> (_ORDINAL_BITS + 2) != ordinal:
             task = self._next_task
@@ -435,5 +477,5 @@ class DedupeReplay:
             raise InputError(
                 _CHANGED.format(detail=f"{self._ordinal} rows numbered, {self._lookups} validated"), row=None
             )
-        if self._sequence.digest() != self._expected:
+        if not self.ignores_keys and self._sequence.digest() != self._expected:
             raise InputError(_CHANGED.format(detail="the rows' contents differ"), row=None)

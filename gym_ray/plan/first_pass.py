@@ -39,7 +39,7 @@ from gym_ray.errors import GymRayError, InputError, InternalError, UsageError
 from gym_ray.plan._parallel_pass import CountedPart, valid_ranges
 from gym_ray.plan._spill_dedupe import RangeRecorder, RecordedPart, SpillDedupe, owned_folder
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows, preprocess_knobs
-from gym_ray.plan.load import load_jsonl, non_finite_problem, until_stopped
+from gym_ray.plan.load import ReadWrapper, _load_jsonl_via, non_finite_problem, until_stopped
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
 from gym_ray.plan.validation import validate_rows
 
@@ -65,9 +65,13 @@ def _finite_rows(rows: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any
 
 
 def _limited_rows(
-    settings: RunSettings, rows: Iterable[Mapping[str, Any]] | None, stop: threading.Event | None = None
+    settings: RunSettings,
+    rows: Iterable[Mapping[str, Any]] | None,
+    stop: threading.Event | None = None,
+    wrap_read: ReadWrapper | None = None,
 ) -> Callable[[], Iterable[Mapping[str, Any]]]:
-    """The input rows (read again on each call), cut to ``limit``: see :func:`input_rows`."""
+    """The input rows (read again on each call), cut to ``limit``: see :func:`input_rows`; the file read
+    through ``wrap_read`` when given."""
     if rows is None:
         if settings.input_jsonl_fpath is None:
             raise UsageError(
@@ -77,7 +81,7 @@ def _limited_rows(
         path = settings.input_jsonl_fpath
 
         def source() -> Iterable[Mapping[str, Any]]:
-            return load_jsonl(path, strict_json=settings.strict_json)
+            return _load_jsonl_via(path, strict_json=settings.strict_json, wrap_read=wrap_read)
     else:
         if iter(rows) is rows:
             raise UsageError("rows must be a re-iterable collection (a list), not a one-shot iterator")
@@ -180,9 +184,8 @@ def first_pass(
             try:
                 found = None
                 if rows is None:  # one process (a small file, limit set, ...)
-                    found = count_valid_rows(
-                        _limited_rows(settings, None, stop)(), settings, topology, recorder
-                    )
+                    logged = _limited_rows(settings, None, stop, recorder.chunk_log(0, None))
+                    found = count_valid_rows(logged(), settings, topology, recorder)
                 if found is None:
                     found = count_rows(source(recorder), topology)
                 parts = [(found, recorder.finish())]

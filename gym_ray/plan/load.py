@@ -178,10 +178,27 @@ def load_jsonl(
     Example:
         >>> rows = list(load_jsonl("tasks.jsonl"))  # doctest: +SKIP
     """
+    yield from _load_jsonl_via(path, max_line_bytes=max_line_bytes, strict_json=strict_json)
+
+
+#: Wraps a file's ``read(size)`` (planning's chunk hashes: :mod:`gym_ray.plan._input_chunks`).
+ReadWrapper = Callable[[Callable[[int], bytes]], Callable[[int], bytes]]
+
+
+def _load_jsonl_via(
+    path: str | os.PathLike[str],
+    *,
+    max_line_bytes: int = MAX_LINE_BYTES,
+    strict_json: bool = True,
+    wrap_read: ReadWrapper | None = None,
+) -> Iterator[Row]:
+    """:func:`load_jsonl`, the file's chunks read through ``wrap_read(handle.read)`` when given (planning's
+    passes log or check them: the function sees the file opened at byte 0 and must give its bytes)."""
     name = os.fspath(path)
     handle = _open_input(name)
     with handle:
-        yield from _read_rows(handle.read, name, 0, max_line_bytes, strict_json)
+        read = handle.read if wrap_read is None else wrap_read(handle.read)
+        yield from _read_rows(read, name, 0, max_line_bytes, strict_json)
 
 
 class Stopped(Exception):
@@ -219,14 +236,21 @@ def _open_input(name: str) -> BinaryIO:
 
 
 def _load_jsonl_span(
-    path: str | os.PathLike[str], start: int, end: int, *, max_line_bytes: int, strict_json: bool
+    path: str | os.PathLike[str],
+    start: int,
+    end: int,
+    *,
+    max_line_bytes: int,
+    strict_json: bool,
+    wrap_read: ReadWrapper | None = None,
 ) -> Iterator[Row]:
     """The rows of bytes ``[start, end)`` of a JSONL file, read and checked as :func:`load_jsonl` does.
 
     ``start`` is 0 or just after a newline, ``end`` just after a newline or the file's size, so the span
     holds whole lines. Line numbers in errors are the file's own (the newlines before ``start`` are
     counted first), and a BOM is accepted only at the file's start. Planning's parallel validation pass
-    (:mod:`gym_ray.plan._parallel_pass`) reads one span per process.
+    (:mod:`gym_ray.plan._parallel_pass`) reads one span per process; ``wrap_read`` wraps the span's
+    ``read(size)`` (planning logs a hash of each chunk).
     """
     name = os.fspath(path)
     handle = _open_input(name)
@@ -245,7 +269,9 @@ def _load_jsonl_span(
             left -= len(data)
             return data
 
-        yield from _read_rows(read, name, lines_before, max_line_bytes, strict_json)
+        yield from _read_rows(
+            read if wrap_read is None else wrap_read(read), name, lines_before, max_line_bytes, strict_json
+        )
 
 
 def _read_rows(
@@ -313,15 +339,38 @@ def _line_blocks(
         pending, held = ([rest], len(rest)) if rest else ([], 0)
 
 
+#: The last row :func:`_plain_decode` checked and its text with sorted keys (the content digest's input:
+#: :func:`sorted_text`), so a row is encoded once. One tuple, replaced whole: safe to read from any thread.
+_LAST_SORTED: tuple[Any, bytes] = (None, b"")
+
+
+def sorted_text(row: Any) -> bytes | None:
+    """``orjson.dumps(row, option=OPT_SORT_KEYS)`` when ``row`` is the last row :func:`load_jsonl` read with
+    ``strict_json`` from a plain block (encoded already for its duplicate-key check), else None.
+
+    The caller must not have changed ``row`` since it was read (planning digests rows it has not touched).
+    """
+    last = _LAST_SORTED
+    return last[1] if last[0] is row else None
+
+
 def _plain_decode(content: bytes, strict_json: bool) -> Any:
     """:func:`_fast_decode` for a line of a block that holds no run of 19 digits and, strict, no
-    ``\\u003`` escape (so only the duplicate-key colon count is left to check)."""
+    ``\\u003`` escape (so only the duplicate-key colon count is left to check). Sorting the keys does not
+    change the count: the sorted text is kept for the row's content digest (:func:`sorted_text`)."""
+    global _LAST_SORTED
     try:
         row = orjson.loads(content)
     except orjson.JSONDecodeError:
         return _SLOW
-    if strict_json and content.count(b":") != orjson.dumps(row).count(b":"):
-        return _SLOW  # maybe a repeated key: the json decoder names it
+    if strict_json:
+        try:
+            text = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
+        except orjson.JSONEncodeError:  # pragma: no cover - orjson writes what it read
+            return _SLOW
+        if content.count(b":") != text.count(b":"):
+            return _SLOW  # maybe a repeated key: the json decoder names it
+        _LAST_SORTED = (row, text)
     return row
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import orjson
@@ -43,6 +43,7 @@ from gym_ray.config.topology import Topology
 from gym_ray.errors import ConfigError, InputError, RoutingError
 from gym_ray.plan import _common_rows
 from gym_ray.plan._compact_index import CompactIndex, DenseCounters
+from gym_ray.plan.load import sorted_text
 from gym_ray.plan.rows import (
     MAX_LISTED_ROWS,
     Problems,
@@ -75,7 +76,8 @@ __all__ = [
 
 class TaskNumbering(Protocol):
     """Numbers content digests for identical-row dedupe: ``add(digest)`` returns the digest's task index
-    (the same index for the same digest, new digests numbered 0, 1, 2, ... in order of first sight)."""
+    (the same index for the same digest, new digests numbered 0, 1, 2, ... in order of first sight).
+    One whose ``ignores_keys`` is true (planning's second pass) gets 0: no digest is taken."""
 
     def add(self, key: int, /) -> int: ...
 
@@ -210,6 +212,10 @@ class _Preprocessor:
             )
         self.overrides = dict(responses_create_params or {})
         self.task_by_digest: TaskNumbering = task_numbering if task_numbering is not None else CompactIndex()
+        numbering = self.task_by_digest
+        self.number: Callable[[Mapping[str, Any]], int] = (
+            (lambda _row: numbering.add(0)) if getattr(numbering, "ignores_keys", False) else self.task_index
+        )
         self.next_rollout = DenseCounters()
         self.selected: set[tuple[str, str]] = set()
         self.keys_seen: set[str] = set()
@@ -224,7 +230,7 @@ class _Preprocessor:
         if _common_rows.ENABLED and from_json and isinstance(repeats, int) and self.knobs_keep_rows(topology):
             self.common = _common_rows.CommonRows(
                 num_repeats=repeats,
-                task_index=self.task_index,
+                task_index=self.number,
                 next_rollout=self.next_rollout,
                 keys_seen=self.keys_seen,
             )
@@ -334,7 +340,7 @@ class _Preprocessor:
         task = row.get(keys.TASK_INDEX)
         if task is None:
             try:
-                task = self.task_index(row)
+                task = self.number(row)
             except (TypeError, ValueError) as exc:
                 self.bad_rows.add(f"the row is not JSON-serializable ({exc})", pos)
                 return []
@@ -452,10 +458,11 @@ def _orjson_canonical(row: Mapping[str, Any]) -> bytes | None:
     refuses what it cannot encode exactly (integers past 64 bits, lone surrogates) and writes ``NaN`` /
     ``Infinity`` as ``null``, so any ``null`` sends the row to ``json``, which keeps them apart.
     """
-    try:
-        canonical = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
-    except orjson.JSONEncodeError:
-        return None
+    if (canonical := sorted_text(row)) is None:  # the reader's text of the row, when it made one
+        try:
+            canonical = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
+        except orjson.JSONEncodeError:
+            return None
     return None if b"null" in canonical else canonical
 
 

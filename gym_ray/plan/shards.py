@@ -19,6 +19,7 @@ Durability promises (see RELIABILITY.md):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import shutil
 import threading
@@ -32,9 +33,12 @@ from pydantic import BaseModel, ConfigDict
 
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
+from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, RecordError, ResumeError, UsageError
+from gym_ray.plan._input_chunks import ChunkCheck
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan._stage import Staged, stage_shards
+from gym_ray.plan._validate_pass import preprocess_knobs
 from gym_ray.plan.first_pass import (
     CheckedInput,
     adopt_parts,
@@ -44,6 +48,8 @@ from gym_ray.plan.first_pass import (
     numbers_in_memory,
     take_checked,
 )
+from gym_ray.plan.load import _load_jsonl_via, until_stopped
+from gym_ray.plan.preprocess import iter_preprocess
 from gym_ray.plan.run_manifest import RUN_MANIFEST, open_run, read_run_manifest, write_run_manifest
 from gym_ray.record.manifest import ShardManifest
 from gym_ray.record.writer import ShardWriter
@@ -405,7 +411,9 @@ def iter_prepare_run(
     Memory does not grow with the number of distinct tasks: the validation pass records each row's content
     digest in sorted runs in a temporary folder (16 bytes per row on disk), and the planning pass numbers
     identical rows from that (:mod:`gym_ray.plan._spill_dedupe`). With ``task_ids`` or
-    ``interleave_repeats`` both passes number tasks in memory instead.
+    ``interleave_repeats`` both passes number tasks in memory instead. When the validation pass read a
+    file, the planning pass proves it reads the same bytes (a hash per chunk read,
+    :mod:`gym_ray.plan._input_chunks`) and numbers tasks by order, taking no content digest again.
 
     ``checked``: the first pass, already run by the caller before Ray started
     (:func:`gym_ray.plan.first_pass.validate_ahead`); taken over when it can be, else the pass runs here.
@@ -451,7 +459,13 @@ def iter_prepare_run(
             adopt_parts(dedupe, (part for _count, part in parts))
             counted = sum(count for count, _part in parts)
         replay = dedupe.replay()
-        yield from plan(_checked(source(replay), replay), counted)
+        check = dedupe.chunk_check() if rows is None else None
+        if check is None:
+            yield from plan(_checked(source(replay), replay), counted)
+        else:  # pass 1 logged the bytes it read: pass 2 proves it reads them and numbers by order
+            replay.trust_bytes()
+            again = _read_again(settings, topology, replay, check, stop)
+            yield from plan(_checked(again, replay, check), counted)
 
 
 def _planned_shard_size(settings: RunSettings, output_dir: str, run_rows: int, num_workers: int) -> int:
@@ -464,10 +478,42 @@ def _planned_shard_size(settings: RunSettings, output_dir: str, run_rows: int, n
     return auto_shard_size(run_rows, num_workers)
 
 
-def _checked(rows: Iterator[dict[str, Any]], replay: DedupeReplay) -> Iterator[dict[str, Any]]:
+def _checked(
+    rows: Iterator[dict[str, Any]], replay: DedupeReplay, check: ChunkCheck | None = None
+) -> Iterator[dict[str, Any]]:
     """``rows``, then the check that the second pass numbered what the first pass saw."""
     yield from rows
     replay.finish()
+    if check is not None:
+        check.finish()
+
+
+def _read_again(
+    settings: RunSettings,
+    topology: Topology,
+    replay: DedupeReplay,
+    check: ChunkCheck,
+    stop: threading.Event | None,
+) -> Iterator[dict[str, Any]]:
+    """The planning pass's rows from the input file, each chunk proven to be what the validation pass read.
+
+    The same rows as ``input_rows(settings, topology, None, stop)(replay)``: the bytes are the validated
+    ones, so they are parsed without the strict-JSON checks (they passed) and tasks are numbered by order.
+    """
+    path = settings.input_jsonl_fpath
+    if path is None:  # pragma: no cover - a chunk check exists only for a file
+        raise UsageError("no input file to read again")
+    rows: Iterable[dict[str, Any]] = _load_jsonl_via(path, strict_json=False, wrap_read=check.reader)
+    if settings.limit:
+        rows = itertools.islice(rows, settings.limit)
+    return iter_preprocess(
+        until_stopped(rows, stop),
+        **preprocess_knobs(settings),
+        interleave_repeats=settings.interleave_repeats,
+        topology=topology,
+        task_numbering=replay,
+        from_json=True,
+    )
 
 
 def _output_dir(settings: RunSettings) -> str:
