@@ -43,6 +43,7 @@ from gym_ray.run._tasks import first_error
 from gym_ray.run.finalize import finalize_run
 from gym_ray.run.preflight import preflight
 from gym_ray.run.result import RunResult, ShardReport
+from gym_ray.run.row_counts import ShardRowTally
 from gym_ray.run.stage_cpu import current_stage_cpu, measuring, stage_cpu_scope
 
 __all__ = [
@@ -153,6 +154,7 @@ async def _run_shard(
             config_identity=spec.config_identity,
         )
         pending = plan.pending
+        tally = ShardRowTally(plan, pending, writer.paths.successes)
         completions = dispatch(
             pending,
             client,
@@ -189,6 +191,7 @@ async def _run_shard(
                         latency_sum_ms += outcome.rollout_latency_ms
                         histogram[latency.bucket_of(outcome.rollout_latency_ms)] += 1
                     written = writer.append(record)
+                    tally.add(record, written)
                     if stage_cpu is not None:
                         stage_cpu.add("record", time.thread_time() - record_started)
                     if written is None:
@@ -231,6 +234,7 @@ async def _run_shard(
         omitted=omitted,
         wall_s=time.monotonic() - started,
         worker=worker,
+        rows=tally.rows(),
     )
 
 
@@ -432,6 +436,7 @@ async def _collect_locked(
                     run=run,
                     client=client,
                     wall_s=time.monotonic() - started,
+                    counts_from_reports=True,  # this process ran every shard once, under the run lock
                 )
     finally:
         if tracer is not None:  # every span of the run is exported when it returns or raises
