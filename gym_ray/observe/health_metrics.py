@@ -26,9 +26,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from opentelemetry.metrics import Meter
-
 if TYPE_CHECKING:
+    from opentelemetry.metrics import Meter
     from opentelemetry.sdk.metrics import MeterProvider
 
     from gym_ray.observe.tracing import Tracer

@@ -28,7 +28,8 @@ run config (``run_shard`` does so itself) and, to link its rollouts to the drive
 shards inside :func:`attach_traceparent` with the driver's :func:`current_traceparent`.
 
 Settings parsing, exporters and the provider cache live in :mod:`gym_ray.observe._otel`;
-:class:`TracingSettings` and :class:`JsonlSpanExporter` are re-exported here.
+:class:`TracingSettings` and :class:`JsonlSpanExporter` are re-exported here, and :func:`run_scope` from
+:mod:`gym_ray.observe.run_context` (which a run with tracing off imports alone: no OpenTelemetry).
 
 Concurrency: spans are attached to the contextvars of the rollout's own task and detached before it
 ends; nothing here creates tasks or threads except the SDK's batch span processor / periodic metric
@@ -37,7 +38,6 @@ reader of the ``console`` and ``otlp`` exporters (joined by :func:`shutdown_trac
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
 import time
@@ -66,6 +66,8 @@ from gym_ray.dispatch.outcomes import CompletedRollout, RolloutFailureRecord, fa
 from gym_ray.errors import ConfigError, ServerHTTPError
 from gym_ray.observe._otel import JsonlSpanExporter as JsonlSpanExporter
 from gym_ray.observe._otel import SettingsCache, build_providers
+from gym_ray.observe.run_context import RUN_ID as _RUN_ID
+from gym_ray.observe.run_context import run_scope as run_scope
 
 if TYPE_CHECKING:
     from gym_ray.dispatch.client import ServerClient
@@ -116,7 +118,6 @@ DEFAULT_FLUSH_TIMEOUT_S = 10.0
 _PROPAGATOR = TraceContextTextMapPropagator()
 _ROOT = Context()
 # The run id rollout spans carry when their row names none (set by :func:`run_scope`).
-_RUN_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("gym_ray_trace_run_id", default=None)
 
 
 class RunMetrics:
@@ -422,20 +423,6 @@ def job_span(tracer: Tracer | None, *, run_id: str | None = None, **attributes: 
         attrs[ATTR_RUN_ID] = run_id
     with tracer.otel.start_as_current_span(JOB_SPAN, kind=SpanKind.INTERNAL, attributes=attrs) as span:
         yield span
-
-
-@contextmanager
-def run_scope(run_id: str | None) -> Iterator[None]:
-    """Rollout spans started in this block (and in tasks created inside it) carry ``gym_ray.run_id``
-    = ``run_id`` unless their row names its own. None sets nothing. Cheap: one context variable."""
-    if run_id is None:
-        yield
-        return
-    token = _RUN_ID.set(run_id)
-    try:
-        yield
-    finally:
-        _RUN_ID.reset(token)
 
 
 def current_traceparent() -> str | None:

@@ -19,7 +19,8 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 from gym_ray import keys
 from gym_ray.config.run_config import ConfigSource, RunConfig, resolve_run_config
@@ -32,7 +33,7 @@ from gym_ray.dispatch.outcomes import CompletedRollout, record_of
 from gym_ray.errors import NoProgressError
 from gym_ray.observe.health_metrics import health_metrics
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
-from gym_ray.observe.tracing import job_span, run_scope, setup_tracing
+from gym_ray.observe.run_context import run_scope
 from gym_ray.plan.first_pass import input_rows
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.run_manifest import RUN_MANIFEST
@@ -43,7 +44,11 @@ from gym_ray.run._tasks import first_error, in_stoppable_thread
 from gym_ray.run.finalize import finalize_run
 from gym_ray.run.preflight import preflight
 from gym_ray.run.result import RunResult, ShardReport
+from gym_ray.run.row_counts import ShardRowTally
 from gym_ray.run.stage_cpu import current_stage_cpu, measuring, stage_cpu_scope
+
+if TYPE_CHECKING:
+    from gym_ray.observe.tracing import Tracer
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -118,8 +123,27 @@ def health_for(run: RunConfig, client: ServerClient) -> ServerHealth:
     return ServerHealth(
         client,
         outage_timeout_s=run.settings.server_outage_timeout_s,
-        listener=health_metrics(setup_tracing(run.tracing)),
+        listener=health_metrics(_tracer_of(run)),
     )
+
+
+def _tracer_of(run: RunConfig) -> Tracer | None:
+    """The process's tracer for the run (:func:`gym_ray.observe.tracing.setup_tracing`), or None when
+    tracing is off; OpenTelemetry is imported only when it is on."""
+    if not run.tracing.enabled:
+        return None
+    from gym_ray.observe.tracing import setup_tracing
+
+    return setup_tracing(run.tracing)
+
+
+def _job_span(tracer: Tracer | None, *, run_id: str, run_dir: str) -> AbstractContextManager[object]:
+    """:func:`gym_ray.observe.tracing.job_span`, or a no-op without a tracer (nothing imported)."""
+    if tracer is None:
+        return nullcontext()
+    from gym_ray.observe.tracing import job_span
+
+    return job_span(tracer, run_id=run_id, run_dir=run_dir)
 
 
 async def _run_shard(
@@ -153,6 +177,7 @@ async def _run_shard(
             config_identity=spec.config_identity,
         )
         pending = plan.pending
+        tally = ShardRowTally(plan, pending, writer.paths.successes)
         completions = dispatch(
             pending,
             client,
@@ -163,7 +188,7 @@ async def _run_shard(
             drain_margin_s=settings.drain_margin_s,
             route_failures_to_sidecar=settings.route_failures_to_sidecar,
             retry_requests=settings.retry_requests,
-            tracer=setup_tracing(run.tracing),  # None (no overhead) unless tracing.enabled
+            tracer=_tracer_of(run),  # None (no overhead) unless tracing.enabled
             health=health,
             max_infra_retries=settings.max_infra_retries,
         )
@@ -189,6 +214,7 @@ async def _run_shard(
                         latency_sum_ms += outcome.rollout_latency_ms
                         histogram[latency.bucket_of(outcome.rollout_latency_ms)] += 1
                     written = writer.append(record)
+                    tally.add(record, written)
                     if stage_cpu is not None:
                         stage_cpu.add("record", time.thread_time() - record_started)
                     if written is None:
@@ -231,6 +257,7 @@ async def _run_shard(
         omitted=omitted,
         wall_s=time.monotonic() - started,
         worker=worker,
+        rows=tally.rows(),
     )
 
 
@@ -409,9 +436,9 @@ async def _collect_locked(
     display = ProgressDisplay(0, stream=sys.stderr, enabled=progress, interval_s=progress_every_s)
     if display.enabled:
         display.total = await asyncio.to_thread(_pending_count, plan, run.settings)
-    tracer = setup_tracing(run.tracing)
+    tracer = _tracer_of(run)
     try:
-        with job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
+        with _job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
             async with client_for(run) as client:
                 with display:
                     async with health_for(run, client) as health:
@@ -432,6 +459,7 @@ async def _collect_locked(
                     run=run,
                     client=client,
                     wall_s=time.monotonic() - started,
+                    counts_from_reports=True,  # this process ran every shard once, under the run lock
                 )
     finally:
         if tracer is not None:  # every span of the run is exported when it returns or raises

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,7 +28,8 @@ from gym_ray.record.aggregate import (
 from gym_ray.record.atomic import atomic_write_bytes
 from gym_ray.record.merge import merge_shards
 from gym_ray.record.nemo_layout import publish_nemo_gym_layout
-from gym_ray.run.result import SUMMARY_FILE, RunResult, ShardReport
+from gym_ray.run.result import SUMMARY_FILE, RunResult, ShardReport, ShardRows
+from gym_ray.run.row_counts import rows_of_plan
 from gym_ray.run.stage_cpu import measuring
 
 __all__ = ["finalize_run", "incomplete_error"]
@@ -42,6 +43,7 @@ async def finalize_run(
     client: ServerClient,
     wall_s: float,
     num_workers: int = 1,
+    counts_from_reports: bool = False,
 ) -> RunResult:
     """Merge the shards, check completion, aggregate once per environment server, write the summary.
 
@@ -54,6 +56,13 @@ async def finalize_run(
     A strict run with unfinished work is rejected before aggregation (no score is published). When an
     ``/aggregate_metrics`` call fails, the metrics file keeps an entry with ``aggregation_error``, the
     summary is written, and then one :class:`~gym_ray.errors.AggregationError` names every failed server.
+
+    The failed, pending and resumable rows are each shard's as :func:`~gym_ray.plan.resume.plan_resume`
+    counts them from its files. With ``counts_from_reports`` a shard with exactly one report that carries
+    its rows (:attr:`ShardReport.rows`) is counted from that report instead of being read again; pass it
+    only when the reports are the calls this process made, one per shard, holding the run folder's lock
+    (a single-process run), so no other writer can have appended since. Every other shard (none or several
+    reports, no rows in its report) is read again.
     """
     reports = list(reports)
     settings = run.settings
@@ -61,7 +70,8 @@ async def finalize_run(
     with measuring("merge"):
         merged = await asyncio.to_thread(merge_shards, root)
     settled = merged.successes + merged.terminal_failures
-    rows = await asyncio.to_thread(_row_counts, plan, settings)
+    known = _rows_from_reports(reports) if counts_from_reports else {}
+    rows = await asyncio.to_thread(_row_counts, plan, settings, known)
     if settings.strict:
         raise_for_completion_rejection(
             expected=plan.planned,
@@ -173,12 +183,27 @@ class _RowCounts(NamedTuple):
     resumable: int
 
 
-def _row_counts(plan: RunPlan, settings: RunSettings) -> _RowCounts:
-    """Rows failed (no success, some failure attempt), pending (no outcome) and resumable, from the shards."""
+def _rows_from_reports(reports: list[ShardReport]) -> dict[str, ShardRows]:
+    """The rows of each shard that exactly one report names and that report counted."""
+    by_shard: dict[str, list[ShardReport]] = {}
+    for report in reports:
+        by_shard.setdefault(report.shard, []).append(report)
+    return {
+        shard: only[0].rows for shard, only in by_shard.items() if len(only) == 1 and only[0].rows is not None
+    }
+
+
+def _row_counts(plan: RunPlan, settings: RunSettings, known: Mapping[str, ShardRows]) -> _RowCounts:
+    """Rows failed (no success, some failure attempt), pending (no outcome) and resumable, per shard from
+    ``known`` or else from the shard's files."""
     failed = pending = resumable = 0
     for spec in plan.shards:
-        shard = plan_resume(plan.run_dir, spec.shard, max_rollout_attempts=settings.max_rollout_attempts)
-        failed += shard.terminal + shard.maxed_out + shard.retrying
-        pending += shard.pending_count - shard.retrying
-        resumable += shard.pending_count
+        shard = known.get(spec.shard)
+        if shard is None:
+            shard = rows_of_plan(
+                plan_resume(plan.run_dir, spec.shard, max_rollout_attempts=settings.max_rollout_attempts)
+            )
+        failed += shard.failed
+        pending += shard.pending
+        resumable += shard.resumable
     return _RowCounts(failed, pending, resumable)

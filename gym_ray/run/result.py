@@ -10,14 +10,33 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["SUMMARY_FILE", "RunResult", "ShardReport"]
+__all__ = ["SUMMARY_FILE", "RunResult", "ShardReport", "ShardRows"]
 
 
 SUMMARY_FILE = "rollouts_summary.json"
 
 
+class ShardRows(BaseModel):
+    """A shard's rows by state when a shard call ended, as :func:`~gym_ray.plan.resume.plan_resume` counts.
+
+    ``failed``: rows with no success and at least one failure attempt; ``pending``: rows with no outcome;
+    ``resumable``: rows a rerun would dispatch (pending rows plus failed rows with attempts left).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    failed: int
+    pending: int
+    resumable: int
+
+
 class ShardReport(BaseModel):
-    """What running one shard did. Crosses Ray actor boundaries (plain, picklable data)."""
+    """What running one shard did. Crosses Ray actor boundaries (plain, picklable data).
+
+    ``rows`` is the shard's row counts when the call ended, from the resume plan the call made and the
+    records it appended (None when the call could not vouch for them, e.g. a record whose identity is not
+    one of the rows it dispatched; see :mod:`gym_ray.run.row_counts`).
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -33,6 +52,7 @@ class ShardReport(BaseModel):
     worker: str | None = None
     latency_ms_sum: float = 0.0
     latency_histogram: list[int] = Field(default_factory=list)
+    rows: ShardRows | None = None
 
 
 class RunResult(BaseModel):
