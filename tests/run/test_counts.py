@@ -8,7 +8,6 @@ a JSON list, a failure of that row on every attempt (PROTOCOL's "not a JSON obje
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from gym_ray.plan.shards import iter_prepare_run
 from gym_ray.record.ledger import check_run
 from gym_ray.record.status import format_status, run_status
 from gym_ray.run.collect import acollect_local
-from gym_ray.servers import Deployment, serve_config
+from gym_ray.servers import Deployment
 
 
 def _rows(n: int, *, failing: set[int] = frozenset()) -> list[dict[str, Any]]:  # type: ignore[assignment]
@@ -35,25 +34,6 @@ def _rows(n: int, *, failing: set[int] = frozenset()) -> list[dict[str, Any]]:  
             row["fault"] = "non_object"
         rows.append(row)
     return rows
-
-
-@pytest.fixture
-async def deployment() -> AsyncIterator[Deployment]:
-    cfg = {
-        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
-        "calc_env": {
-            "environment_servers": {
-                "example_env": {
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "latency_ms": 0,
-                    "agent_server": {"type": "responses_api_agents", "name": "calc_agent"},
-                }
-            }
-        },
-    }
-    async with serve_config(cfg) as served:
-        yield served
 
 
 async def test_failed_rows_and_failed_attempts_are_counted_apart(

@@ -12,11 +12,8 @@ send (no record: a row stays pending, or failed when it has earlier attempts).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from gym_ray import keys
 from gym_ray.config.run_config import resolve_run_config
@@ -27,7 +24,7 @@ from gym_ray.record.writer import ShardWriter
 from gym_ray.run.collect import acollect_local, client_for, run_shard
 from gym_ray.run.result import ShardReport, ShardRows
 from gym_ray.run.row_counts import ShardRowTally, rows_of_plan
-from gym_ray.servers import Deployment, serve_config
+from gym_ray.servers import Deployment
 
 # Row i's outcome on every attempt (rows not named succeed): 2 fails (non-terminal) every attempt, 5 fails
 # terminally, 7 fails its first attempt only.
@@ -50,25 +47,6 @@ def _rows(n: int) -> list[dict[str, Any]]:
         }
         for i in range(n)
     ]
-
-
-@pytest.fixture
-async def deployment() -> AsyncIterator[Deployment]:
-    cfg = {
-        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
-        "calc_env": {
-            "environment_servers": {
-                "example_env": {
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "latency_ms": 0,
-                    "agent_server": {"type": "responses_api_agents", "name": "calc_agent"},
-                }
-            }
-        },
-    }
-    async with serve_config(cfg) as served:
-        yield served
 
 
 def _settings(tmp_path: Path) -> dict[str, Any]:

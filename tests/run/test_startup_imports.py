@@ -12,12 +12,9 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
-
-from gym_ray.servers import Deployment, serve_config
+from gym_ray.servers import Deployment
 
 CHILD = """
 import asyncio, json, sys
@@ -28,25 +25,6 @@ rows = [{"responses_create_params": {"input": [{"role": "user", "content": f"Wha
 result = asyncio.run(acollect_local(config, rows=rows, output_dir=out))
 print(json.dumps({"succeeded": result.succeeded, "modules": sorted({m.split(".")[0] for m in sys.modules})}))
 """
-
-
-@pytest.fixture
-async def deployment() -> AsyncIterator[Deployment]:
-    cfg = {
-        "calc_agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
-        "calc_env": {
-            "environment_servers": {
-                "example_env": {
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "latency_ms": 0,
-                    "agent_server": {"type": "responses_api_agents", "name": "calc_agent"},
-                }
-            }
-        },
-    }
-    async with serve_config(cfg) as served:
-        yield served
 
 
 async def test_a_local_run_with_tracing_off_leaves_opentelemetry_unloaded(
