@@ -270,9 +270,8 @@ class RolloutWorker:
         Raises:
             CancelledError: ``ray.cancel`` of this call; every shard writer and the client are closed.
         """
-        from gym_ray.dispatch.health import health_scope
-        from gym_ray.observe.tracing import attach_traceparent, setup_tracing
-        from gym_ray.run.collect import health_for, run_shards
+        from gym_ray.observe.tracing import setup_tracing
+        from gym_ray.run._gc import collecting_rarely
 
         started = self._clock()
         tracer = setup_tracing(self._run.tracing)
@@ -290,6 +289,16 @@ class RolloutWorker:
             "off" if tracer is None else tracer.settings.exporter,
         )
         traceparent = self._traceparent if tracer is not None else None
+        # Fewer garbage collections while the shards run (gym_ray.run._gc).
+        with collecting_rarely(freeze=False):
+            return await self._run_lanes(tracer, traceparent, started)
+
+    async def _run_lanes(self, tracer: Any, traceparent: str | None, started: float) -> WorkerTotals:
+        """:meth:`run`'s body once the tracer is set up: the client, the health, the shard lanes."""
+        from gym_ray.dispatch.health import health_scope
+        from gym_ray.observe.tracing import attach_traceparent
+        from gym_ray.run.collect import health_for, run_shards
+
         async with self._client_factory(self._run) as client, health_for(self._run, client) as health:
             # One health object for every lane, kept here so progress() can show it to the driver.
             self._health = health

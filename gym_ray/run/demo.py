@@ -122,10 +122,10 @@ def run_main(args: argparse.Namespace) -> int:
         KeyboardInterrupt / RunTerminated: Ctrl-C / SIGTERM; ``resume_hint`` tells whether a rerun continues.
     """
     import asyncio
-    import gc
     import shlex
 
     from gym_ray.config.run_config import resolve_run_config
+    from gym_ray.run._gc import collecting_rarely
     from gym_ray.run.collect import acollect_local
     from gym_ray.run.finalize import incomplete_error
     from gym_ray.run.preflight import check_workers
@@ -142,23 +142,22 @@ def run_main(args: argparse.Namespace) -> int:
     settings = {"health_check": False} if args.no_health_check else {}
     run = asyncio.run(resolve_run_config(paths, overrides=overrides, settings=settings))
     run_dir = str(run.settings.output_dir)
-    _freeze_start_up()
-    default_thresholds = _collect_less_often()
     try:
-        if args.local:
-            result = run_until_signal(
-                acollect_local(run, progress=every_s is not None, progress_every_s=every_s or 1.0)
-            )
-        else:
-            from gym_ray.distributed.api import collect
+        with collecting_rarely():  # fewer garbage collections while the run lasts (gym_ray.run._gc)
+            if args.local:
+                result = run_until_signal(
+                    acollect_local(run, progress=every_s is not None, progress_every_s=every_s or 1.0)
+                )
+            else:
+                from gym_ray.distributed.api import collect
 
-            result = collect(
-                run,
-                address=args.address,
-                num_workers=args.workers,
-                progress=every_s is not None,
-                progress_every_s=every_s or 1.0,
-            )
+                result = collect(
+                    run,
+                    address=args.address,
+                    num_workers=args.workers,
+                    progress=every_s is not None,
+                    progress_every_s=every_s or 1.0,
+                )
     except KeyboardInterrupt as exc:
         from gym_ray.distributed.api import resume_hint
 
@@ -166,48 +165,11 @@ def run_main(args: argparse.Namespace) -> int:
             exc.resume_hint = resume_hint(run_dir)  # type: ignore[attr-defined]
         raise
     finally:
-        gc.set_threshold(*default_thresholds)
         _record_command(run_dir, paths, overrides)
     print(format_result(result))
     if not result.complete:
         raise incomplete_error(result, resume_command=shlex.join(["gym-ray", *args.argv]))
     return 0
-
-
-def _freeze_start_up() -> None:
-    """Leave what start-up built (modules, classes, the config) out of every later garbage collection.
-
-    ``gc.freeze`` moves every object alive now to the collector's permanent generation: the full
-    collections during the run and the one at interpreter exit no longer traverse them (on a 20k-row local
-    run: full collections 0.72 -> 0.25 s of thread CPU, the exit after ``atexit`` 9.5 -> 1.6 us per
-    rollout). Nothing else changes: reference counting frees objects as before; only a reference cycle
-    among these objects would stay uncollected, and the command's process ends with the run.
-    """
-    import gc
-
-    gc.freeze()
-
-
-#: Net new container objects between two young-generation collections during ``gym-ray run`` (Python's
-#: default is 700).
-_RUN_GC_THRESHOLD = 20_000
-
-
-def _collect_less_often() -> tuple[int, int, int]:
-    """Run the cyclic garbage collector's young generation every ``_RUN_GC_THRESHOLD`` net allocations
-    while the run lasts; returns the thresholds to restore when it ends.
-
-    A rollout's objects are freed by reference counting when it is recorded; at Python's default (700) the
-    in-flight rollouts' objects set off a young collection every few rollouts and are traversed again and
-    again (on a 20k-row local run 1,520 young and 137 middle collections, 1.7-2.9 s of thread CPU). At
-    20,000 the same run makes 2 (peak RSS 74 MB either way). Only reference cycles wait longer: at most
-    this many objects' worth between two collections.
-    """
-    import gc
-
-    before = gc.get_threshold()
-    gc.set_threshold(_RUN_GC_THRESHOLD, before[1], before[2])
-    return before
 
 
 def _record_command(run_dir: str, paths: list[str], overrides: list[str]) -> None:
