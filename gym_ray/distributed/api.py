@@ -72,7 +72,7 @@ from gym_ray.errors import (
 from gym_ray.observe.tracing import ATTR_RUN_ID, Tracer, current_traceparent, job_span, setup_tracing
 from gym_ray.record.run_lock import holding_run_folder
 from gym_ray.run._tasks import in_stoppable_thread
-from gym_ray.run.preflight import preflight
+from gym_ray.run.preflight import planning_note, preflight
 from gym_ray.run.signals import run_until_signal
 
 #: Seconds between two looks for a node that joined the cluster with none of the run's workers.
@@ -465,6 +465,9 @@ async def acollect(
         from gym_ray.plan.first_pass import CheckedInput, validate_ahead
 
         # Every row is validated before Ray starts; the driver actor takes the pass over.
+        note = planning_note(run_settings, before_ray=True) if show and row_list is None else None
+        if note is not None:  # a large input takes seconds to validate: say so
+            print(note, file=sys.stderr, flush=True)
         checked = await in_stoppable_thread(validate_ahead, run, row_list, discard=CheckedInput.discard)
         view = ProgressView(stream=sys.stderr, enabled=True, interval_s=progress_every_s) if show else None
         try:

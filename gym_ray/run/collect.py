@@ -42,7 +42,7 @@ from gym_ray.record.run_lock import holding_run_folder
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error, in_stoppable_thread
 from gym_ray.run.finalize import finalize_run
-from gym_ray.run.preflight import preflight
+from gym_ray.run.preflight import planning_note, preflight
 from gym_ray.run.result import RunResult, ShardReport
 from gym_ray.run.row_counts import ShardRowTally
 from gym_ray.run.stage_cpu import current_stage_cpu, measuring, stage_cpu_scope
@@ -426,6 +426,10 @@ async def _collect_locked(
     progress_every_s: float,
     started: float,
 ) -> RunResult:
+    shown = sys.stderr.isatty() if progress is None else progress
+    note = planning_note(run.settings, before_ray=False) if shown and rows is None else None
+    if note is not None:  # a large input takes seconds to validate and cut: say so
+        print(note, file=sys.stderr, flush=True)
     with measuring("plan"):
         plan = await in_stoppable_thread(prepare_run, run, rows=rows)
     specs = iter(plan.shards)

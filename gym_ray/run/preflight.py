@@ -44,6 +44,7 @@ from gym_ray.errors import (
 from gym_ray.plan.run_manifest import RUN_MANIFEST
 
 __all__ = [
+    "PLANNING_NOTE_BYTES",
     "PROBE_TIMEOUT_S",
     "check_input",
     "check_output_dir",
@@ -202,6 +203,27 @@ def _size(num_bytes: int) -> str:
     if num_bytes < 1 << 30:
         return f"{num_bytes / (1 << 20):.1f} MiB"
     return f"{num_bytes / (1 << 30):.1f} GiB"
+
+
+#: Smallest input file whose reading is announced on stderr when progress is shown (it takes seconds).
+PLANNING_NOTE_BYTES = 16 << 20
+
+
+def planning_note(settings: RunSettings, *, before_ray: bool) -> str | None:
+    """The line shown before a large input file is read and validated (``before_ray``: ahead of Ray's
+    start), so a run is not silent for the seconds or minutes this takes; None for a smaller file or rows
+    passed from Python."""
+    path = settings.input_jsonl_fpath
+    if path is None:
+        return None
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return None
+    if size < PLANNING_NOTE_BYTES:
+        return None
+    when = "before Ray starts" if before_ray else "before the first rollout is sent"
+    return f"gym-ray: reading and validating {_size(size)} of input rows ({path}) {when}"
 
 
 def check_ports(topology: Topology) -> None:
