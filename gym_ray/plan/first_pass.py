@@ -69,9 +69,10 @@ def _limited_rows(
     rows: Iterable[Mapping[str, Any]] | None,
     stop: threading.Event | None = None,
     wrap_read: ReadWrapper | None = None,
+    proven: bool = False,
 ) -> Callable[[], Iterable[Mapping[str, Any]]]:
     """The input rows (read again on each call), cut to ``limit``: see :func:`input_rows`; the file read
-    through ``wrap_read`` when given."""
+    through ``wrap_read`` when given, without the strict-JSON checks when its bytes are ``proven``."""
     if rows is None:
         if settings.input_jsonl_fpath is None:
             raise UsageError(
@@ -81,7 +82,8 @@ def _limited_rows(
         path = settings.input_jsonl_fpath
 
         def source() -> Iterable[Mapping[str, Any]]:
-            return _load_jsonl_via(path, strict_json=settings.strict_json, wrap_read=wrap_read)
+            strict = settings.strict_json and not proven
+            return _load_jsonl_via(path, strict_json=strict, wrap_read=wrap_read)
     else:
         if iter(rows) is rows:
             raise UsageError("rows must be a re-iterable collection (a list), not a one-shot iterator")
@@ -104,6 +106,8 @@ def input_rows(
     topology: Topology,
     rows: Iterable[Mapping[str, Any]] | None = None,
     stop: threading.Event | None = None,
+    *,
+    proven_by: ReadWrapper | None = None,
 ) -> Callable[..., Iterator[dict[str, Any]]]:
     """A re-iterable source of the run's preprocessed rows (the input is read once per call).
 
@@ -112,9 +116,12 @@ def input_rows(
     ``task_numbering`` (see :func:`gym_ray.plan.preprocess.iter_preprocess`). With ``strict_json`` (the
     default) a file's duplicate keys and non-finite numbers, and ``nan`` / ``inf`` in passed rows, raise
     :class:`~gym_ray.errors.InputError` naming the file and line, or the row, while the rows are read.
-    Reading raises :class:`~gym_ray.plan.load.Stopped` once ``stop`` is set.
+    Reading raises :class:`~gym_ray.plan.load.Stopped` once ``stop`` is set. ``proven_by``: the file's
+    reads go through it (planning's second pass: a :class:`~gym_ray.plan._input_chunks.ChunkCheck` that
+    proves each chunk is what the validated pass read), so the strict-JSON checks, passed already, are
+    skipped.
     """
-    limited = _limited_rows(settings, rows, stop)
+    limited = _limited_rows(settings, rows, stop, proven_by, proven=proven_by is not None)
 
     def preprocessed(task_numbering: TaskNumbering | None = None) -> Iterator[dict[str, Any]]:
         return iter_preprocess(

@@ -19,7 +19,6 @@ Durability promises (see RELIABILITY.md):
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import shutil
 import threading
@@ -33,12 +32,10 @@ from pydantic import BaseModel, ConfigDict
 
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
-from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, RecordError, ResumeError, UsageError
 from gym_ray.plan._input_chunks import ChunkCheck
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan._stage import Staged, stage_shards
-from gym_ray.plan._validate_pass import preprocess_knobs
 from gym_ray.plan.first_pass import (
     CheckedInput,
     adopt_parts,
@@ -48,8 +45,6 @@ from gym_ray.plan.first_pass import (
     numbers_in_memory,
     take_checked,
 )
-from gym_ray.plan.load import _load_jsonl_via, until_stopped
-from gym_ray.plan.preprocess import iter_preprocess
 from gym_ray.plan.run_manifest import RUN_MANIFEST, open_run, read_run_manifest, write_run_manifest
 from gym_ray.record.manifest import ShardManifest
 from gym_ray.record.writer import ShardWriter
@@ -464,7 +459,7 @@ def iter_prepare_run(
             yield from plan(_checked(source(replay), replay), counted)
         else:  # pass 1 logged the bytes it read: pass 2 proves it reads them and numbers by order
             replay.trust_bytes()
-            again = _read_again(settings, topology, replay, check, stop)
+            again = input_rows(settings, topology, None, stop, proven_by=check.reader)(replay)
             yield from plan(_checked(again, replay, check), counted)
 
 
@@ -486,34 +481,6 @@ def _checked(
     replay.finish()
     if check is not None:
         check.finish()
-
-
-def _read_again(
-    settings: RunSettings,
-    topology: Topology,
-    replay: DedupeReplay,
-    check: ChunkCheck,
-    stop: threading.Event | None,
-) -> Iterator[dict[str, Any]]:
-    """The planning pass's rows from the input file, each chunk proven to be what the validation pass read.
-
-    The same rows as ``input_rows(settings, topology, None, stop)(replay)``: the bytes are the validated
-    ones, so they are parsed without the strict-JSON checks (they passed) and tasks are numbered by order.
-    """
-    path = settings.input_jsonl_fpath
-    if path is None:  # pragma: no cover - a chunk check exists only for a file
-        raise UsageError("no input file to read again")
-    rows: Iterable[dict[str, Any]] = _load_jsonl_via(path, strict_json=False, wrap_read=check.reader)
-    if settings.limit:
-        rows = itertools.islice(rows, settings.limit)
-    return iter_preprocess(
-        until_stopped(rows, stop),
-        **preprocess_knobs(settings),
-        interleave_repeats=settings.interleave_repeats,
-        topology=topology,
-        task_numbering=replay,
-        from_json=True,
-    )
 
 
 def _output_dir(settings: RunSettings) -> str:
