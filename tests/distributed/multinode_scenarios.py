@@ -12,6 +12,11 @@ Scenarios, three runs on one cluster (a cluster start costs seconds):
   (driver and coordinator) runs.
 - ``node_loss``: 4 workers; once 60 rollouts are done, the second worker node is removed (its two
   workers die with it); the run must finish on the other node with nothing lost.
+- ``host_node_loss``: the run is started by a process on a third node (an actor there, as a Ray job's
+  driver placed with ``entrypoint_resources`` is), so the run's host actor (driver and coordinator) lives
+  there too; once 60 rollouts are done that node is removed. The caller and the host die with it, Ray ends
+  the workers they owned, and running the same collection again from the head resumes: only what was not
+  recorded runs, nothing lost and nothing twice.
 - ``node_added``: 4 workers on the one worker node left; a one-CPU node joins mid-run: one worker finishes
   its shards and its replacement runs on the new node, nothing lost and nothing run twice.
 """
@@ -129,6 +134,80 @@ async def _one_run(
     return report
 
 
+def _caller_actor() -> Any:
+    """A Ray actor class that runs :func:`gym_ray.distributed.api.acollect` where it is placed."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class Caller:
+        async def collect(self, config: dict[str, Any], rows: list[Any], settings: dict[str, Any]) -> Any:
+            from gym_ray.distributed.api import acollect
+
+            result = await acollect(config, rows=rows[0], progress=False, **settings)
+            return result.model_dump()
+
+        def node_id(self) -> str:
+            return str(ray.get_runtime_context().get_node_id())
+
+    return Caller
+
+
+async def _quiet(servers: Any, *, for_s: float = 2.0, timeout_s: float = 60.0) -> None:
+    """Until no rollout has finished on ``servers`` for ``for_s`` seconds: the lost run's workers are gone."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    seen, since = _completed(servers), loop.time()
+    while loop.time() - since < for_s:
+        if loop.time() > deadline:
+            raise TimeoutError("rollouts kept finishing after the host's node was removed")
+        await asyncio.sleep(0.05)
+        if (now := _completed(servers)) != seen:
+            seen, since = now, loop.time()
+
+
+async def _host_node_lost(cluster: Any, servers: Any, run_dir: Path) -> dict[str, Any]:
+    """The node of the run's caller and host actor is removed mid-run; the same run is then resumed."""
+    import ray
+
+    from gym_ray.distributed.api import acollect
+    from gym_ray.record.ledger import check_run
+
+    servers.reset_stats()
+    node = cluster.add_node(num_cpus=0, resources={"caller": 1}, object_store_memory=NODE_OBJECT_STORE_BYTES)
+    cluster.wait_for_nodes()
+    caller = _caller_actor().options(resources={"caller": 1}).remote()
+    settings = {
+        "output_dir": str(run_dir),
+        "num_workers": 4,
+        "shard_size": 10,
+        "max_resident_tasks": 4,
+        "num_repeats": REPEATS,
+    }
+    report: dict[str, Any] = {"node": node.node_id, "caller_on": await caller.node_id.remote()}
+    first = caller.collect.remote(servers.config, [_rows(ROWS)], settings)
+    await _until(lambda: _completed(servers) >= 60, "60 finished rollouts")
+    cluster.remove_node(node)
+    try:
+        await first
+        report["first_run"] = "finished"
+    except ray.exceptions.RayError as exc:
+        report["first_run"] = type(exc).__name__
+    await _quiet(servers)
+    report["sent_before_loss"] = _completed(servers)
+    result = await acollect(servers.config, rows=_rows(ROWS), progress=False, **settings)
+    ledger = check_run(run_dir).as_dict()
+    report.update(
+        planned=result.planned,
+        succeeded=result.succeeded,
+        failed=result.failed,
+        already_done=result.already_done,
+        dispatched=result.dispatched,
+        wasted_requests=_completed(servers) - result.planned,
+        ledger={k: ledger[k] for k in ("lost", "missing", "duplicates", "corrupt_lines")},
+    )
+    return report
+
+
 async def _scenarios(workdir: Path) -> dict[str, Any]:
     import ray
     from ray.cluster_utils import Cluster
@@ -150,6 +229,7 @@ async def _scenarios(workdir: Path) -> dict[str, Any]:
         with start_in_thread(cfg) as servers:
             report["spread"] = await _one_run(cluster, servers, workdir / "spread")
             report["node_loss"] = await _one_run(cluster, servers, workdir / "node_loss", lose_node=nodes[1])
+            report["host_node_loss"] = await _host_node_lost(cluster, servers, workdir / "host_node_loss")
         # 300 ms per rollout, 2 in flight per worker, 10 rollouts per shard: a run of ~10 s on one node,
         # long enough for a node to join and one worker to move there.
         env["latency_ms"] = 300

@@ -38,7 +38,7 @@ def report() -> dict[str, Any]:
         )
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    scenarios = ("spread", "node_loss", "node_added")
+    scenarios = ("spread", "node_loss", "host_node_loss", "node_added")
     print("multi-node figures:", json.dumps({k: result[k] for k in scenarios}, indent=1))
     return result
 
@@ -71,6 +71,26 @@ def test_a_lost_worker_node_requeues_its_shards_and_the_run_completes(report: di
     # reply arrives): at most the two lost workers' windows, 4 resident tasks x 2 repeats each; measured
     # 4, 7 and 9. Whole shards never run again.
     assert 0 <= loss["wasted_requests"] <= 2 * (4 * 2)
+
+
+def test_losing_the_node_of_the_caller_and_host_ends_the_run_and_running_it_again_resumes(
+    report: dict[str, Any],
+) -> None:
+    lost = report["host_node_loss"]
+    # The run was started on the removed node, so its host actor (driver and coordinator) was there too:
+    # the host is pinned to the caller's node (see the spread test).
+    assert lost["caller_on"] == lost["node"]
+    assert lost["first_run"] == "ActorDiedError"  # the caller died with its node: that run ended there
+    # Running it again from the head resumed the same run: what was recorded before the loss was kept,
+    # only the rest was sent, and every planned rollout is recorded exactly once.
+    assert (lost["planned"], lost["succeeded"], lost["failed"]) == (PLANNED, PLANNED, 0)
+    assert lost["already_done"] + lost["dispatched"] == PLANNED
+    assert 60 <= lost["already_done"] <= lost["sent_before_loss"]
+    assert lost["ledger"] == NO_LEDGER_FAULTS
+    # Rollouts that finished on the servers but were not recorded before the loss ran again: at most the
+    # four workers' windows (4 resident tasks x 2 repeats each).
+    assert lost["wasted_requests"] == lost["sent_before_loss"] - lost["already_done"]
+    assert 0 <= lost["wasted_requests"] <= 4 * (4 * 2)
 
 
 def test_a_node_that_joins_mid_run_receives_a_moved_worker_and_shards(report: dict[str, Any]) -> None:
