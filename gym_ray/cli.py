@@ -232,9 +232,9 @@ def flush_telemetry() -> None:
     was never set up in this process. Bounded: each provider waits at most
     :data:`gym_ray.observe.tracing.DEFAULT_FLUSH_TIMEOUT_S`.
     """
-    tracing = sys.modules.get("gym_ray.observe.tracing")
-    if tracing is not None:
-        tracing.shutdown_tracing()
+    from gym_ray.observe.tracing_gate import shutdown_tracing_if_used
+
+    shutdown_tracing_if_used()
 
 
 # Sub-command registrations. Each names the module that implements it; importing is deferred until the

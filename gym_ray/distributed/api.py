@@ -69,7 +69,7 @@ from gym_ray.errors import (
     NoProgressError,
     UsageError,
 )
-from gym_ray.observe.tracing import ATTR_RUN_ID, Tracer, current_traceparent, job_span, setup_tracing
+from gym_ray.observe.tracing_gate import job_span_for, tracer_for
 from gym_ray.record.run_lock import holding_run_folder
 from gym_ray.run._tasks import in_stoppable_thread
 from gym_ray.run.preflight import planning_note, preflight
@@ -79,6 +79,7 @@ from gym_ray.run.signals import run_until_signal
 DEFAULT_REBALANCE_S = 10.0
 
 if TYPE_CHECKING:
+    from gym_ray.observe.tracing import Tracer
     from gym_ray.plan.first_pass import CheckedInput
     from gym_ray.run.collect import ShardSpec
     from gym_ray.run.result import RunResult
@@ -458,7 +459,7 @@ async def acollect(
     # Everything knowable before dispatch (input, output_dir, workers, servers) is refused here.
     await preflight(run, rows=row_list, num_workers=num_workers)
     run_dir = str(Path(str(run_settings.output_dir)))
-    tracer = setup_tracing(run.tracing)
+    tracer = tracer_for(run.tracing)
     show = sys.stderr.isatty() if progress is None else progress
     # Held before Ray starts: a busy folder is refused at once.
     with holding_run_folder(run_dir, what="collect"):
@@ -493,17 +494,19 @@ async def _collect_on_ray(
             workers = num_workers or run.settings.num_workers or default_num_workers(ray)
             rows_ref = ray.put(row_list) if row_list is not None else None
             planner = functools.partial(plan_from_config, run, rows_ref, workers, checked)
-            with job_span(tracer, run_dir=run_dir) as span:
+            with job_span_for(tracer, run_dir=run_dir) as span:
                 result = await run_actors(
                     run,
                     planner,
                     run_dir=run_dir,
                     num_workers=workers,
                     started_at=started,
-                    traceparent=current_traceparent() if span is not None else None,
+                    traceparent=_traceparent_of(span),
                     on_progress=view,
                 )
                 if span is not None:
+                    from gym_ray.observe.tracing import ATTR_RUN_ID
+
                     span.set_attribute(ATTR_RUN_ID, result.run_id)
     finally:
         try:
@@ -512,6 +515,15 @@ async def _collect_on_ray(
             if view is not None:
                 view.close()
     return result
+
+
+def _traceparent_of(span: Any) -> str | None:
+    """The W3C ``traceparent`` of the current job span, for the workers to link to; None without one."""
+    if span is None:
+        return None
+    from gym_ray.observe.tracing import current_traceparent
+
+    return current_traceparent()
 
 
 async def _flush(tracer: Tracer | None) -> None:

@@ -152,9 +152,9 @@ class RunCoordinator:
     async def close(self) -> None:
         """Flush and shut down this process's telemetry before the actor is killed (idempotent; a no-op
         when nothing was traced here). See :func:`gym_ray.observe.tracing.shutdown_tracing`."""
-        from gym_ray.observe.tracing import shutdown_tracing
+        from gym_ray.observe.tracing_gate import shutdown_tracing_if_used
 
-        await asyncio.to_thread(shutdown_tracing)
+        await asyncio.to_thread(shutdown_tracing_if_used)
 
     def record_report(
         self, report: ShardReport, by_server: Mapping[str, tuple[int, float]] | None = None

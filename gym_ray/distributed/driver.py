@@ -169,10 +169,10 @@ class ShardDriver:
     async def close(self) -> None:
         """:meth:`stop_planning`, then flush and shut down this process's telemetry (see
         :func:`gym_ray.observe.tracing.shutdown_tracing`). Idempotent."""
-        from gym_ray.observe.tracing import shutdown_tracing
+        from gym_ray.observe.tracing_gate import shutdown_tracing_if_used
 
         await self.stop_planning()
-        await asyncio.to_thread(shutdown_tracing)
+        await asyncio.to_thread(shutdown_tracing_if_used)
 
     async def _plan_loop(self) -> None:
         cond = self._cond()

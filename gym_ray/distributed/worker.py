@@ -260,9 +260,9 @@ class RolloutWorker:
         returned or was cancelled, and kills the actor after a bounded wait. Idempotent; a no-op when
         tracing is off.
         """
-        from gym_ray.observe.tracing import shutdown_tracing
+        from gym_ray.observe.tracing_gate import shutdown_tracing_if_used
 
-        await asyncio.to_thread(shutdown_tracing)
+        await asyncio.to_thread(shutdown_tracing_if_used)
 
     async def run(self) -> WorkerTotals:
         """Pull and run shards until the driver has none left; return this worker's totals.
@@ -270,11 +270,11 @@ class RolloutWorker:
         Raises:
             CancelledError: ``ray.cancel`` of this call; every shard writer and the client are closed.
         """
-        from gym_ray.observe.tracing import setup_tracing
+        from gym_ray.observe.tracing_gate import tracer_for
         from gym_ray.run._gc import collecting_rarely
 
         started = self._clock()
-        tracer = setup_tracing(self._run.tracing)
+        tracer = tracer_for(self._run.tracing)
         logger.info(
             "worker %s (pid %d): max_resident_tasks=%d shared by %d shard lanes, max_connections=%d, "
             "actor max_concurrency=%d, request_timeout_s=%s, connect_timeout_s=%s, tracing=%s",
@@ -296,14 +296,14 @@ class RolloutWorker:
     async def _run_lanes(self, tracer: Any, traceparent: str | None, started: float) -> WorkerTotals:
         """:meth:`run`'s body once the tracer is set up: the client, the health, the shard lanes."""
         from gym_ray.dispatch.health import health_scope
-        from gym_ray.observe.tracing import attach_traceparent
+        from gym_ray.observe.tracing_gate import under_traceparent
         from gym_ray.run.collect import health_for, run_shards
 
         async with self._client_factory(self._run) as client, health_for(self._run, client) as health:
             # One health object for every lane, kept here so progress() can show it to the driver.
             self._health = health
             try:
-                with health_scope(health), attach_traceparent(traceparent):
+                with health_scope(health), under_traceparent(traceparent):
                     await run_shards(
                         self._next_spec,
                         client=client,

@@ -19,8 +19,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gym_ray import keys
 from gym_ray.config.run_config import ConfigSource, RunConfig, resolve_run_config
@@ -34,6 +33,7 @@ from gym_ray.errors import NoProgressError
 from gym_ray.observe.health_metrics import health_metrics
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
 from gym_ray.observe.run_context import run_scope
+from gym_ray.observe.tracing_gate import job_span_for, tracer_for
 from gym_ray.plan.first_pass import input_rows
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.run_manifest import RUN_MANIFEST
@@ -46,9 +46,6 @@ from gym_ray.run.preflight import planning_note, preflight
 from gym_ray.run.result import RunResult, ShardReport
 from gym_ray.run.row_counts import ShardRowTally
 from gym_ray.run.stage_cpu import current_stage_cpu, measuring, stage_cpu_scope
-
-if TYPE_CHECKING:
-    from gym_ray.observe.tracing import Tracer
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -123,27 +120,8 @@ def health_for(run: RunConfig, client: ServerClient) -> ServerHealth:
     return ServerHealth(
         client,
         outage_timeout_s=run.settings.server_outage_timeout_s,
-        listener=health_metrics(_tracer_of(run)),
+        listener=health_metrics(tracer_for(run.tracing)),
     )
-
-
-def _tracer_of(run: RunConfig) -> Tracer | None:
-    """The process's tracer for the run (:func:`gym_ray.observe.tracing.setup_tracing`), or None when
-    tracing is off; OpenTelemetry is imported only when it is on."""
-    if not run.tracing.enabled:
-        return None
-    from gym_ray.observe.tracing import setup_tracing
-
-    return setup_tracing(run.tracing)
-
-
-def _job_span(tracer: Tracer | None, *, run_id: str, run_dir: str) -> AbstractContextManager[object]:
-    """:func:`gym_ray.observe.tracing.job_span`, or a no-op without a tracer (nothing imported)."""
-    if tracer is None:
-        return nullcontext()
-    from gym_ray.observe.tracing import job_span
-
-    return job_span(tracer, run_id=run_id, run_dir=run_dir)
 
 
 async def _run_shard(
@@ -188,7 +166,7 @@ async def _run_shard(
             drain_margin_s=settings.drain_margin_s,
             route_failures_to_sidecar=settings.route_failures_to_sidecar,
             retry_requests=settings.retry_requests,
-            tracer=_tracer_of(run),  # None (no overhead) unless tracing.enabled
+            tracer=tracer_for(run.tracing),  # None (no overhead) unless tracing.enabled
             health=health,
             max_infra_retries=settings.max_infra_retries,
         )
@@ -440,9 +418,9 @@ async def _collect_locked(
     display = ProgressDisplay(0, stream=sys.stderr, enabled=progress, interval_s=progress_every_s)
     if display.enabled:
         display.total = await asyncio.to_thread(_pending_count, plan, run.settings)
-    tracer = _tracer_of(run)
+    tracer = tracer_for(run.tracing)
     try:
-        with _job_span(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
+        with job_span_for(tracer, run_id=plan.run_id, run_dir=plan.run_dir):
             async with client_for(run) as client:
                 with display:
                     async with health_for(run, client) as health:

@@ -331,7 +331,7 @@ class StreamWorker:
 
         Idempotent; a second drain returns what is left (nothing, once handed out).
         """
-        from gym_ray.observe.tracing import shutdown_tracing
+        from gym_ray.observe.tracing_gate import shutdown_tracing_if_used
 
         self._stop.set()
         self._notify()
@@ -339,7 +339,7 @@ class StreamWorker:
             task.cancel()
         if self._started:
             await self._ended.wait()
-        await asyncio.to_thread(shutdown_tracing)
+        await asyncio.to_thread(shutdown_tracing_if_used)
         if not drain:
             return []
         items = list(self._outbox)

@@ -1,9 +1,11 @@
 """Tracing across Ray workers: the job span on the caller's side, one root span per rollout in the worker
-processes, each linked to the job span (spans from every process land in one ``file`` exporter JSONL), and
-the live progress line of ``acollect(progress=True)``."""
+processes, each linked to the job span (spans from every process land in one ``file`` exporter JSONL); no
+OpenTelemetry in the actors' processes when tracing is off; and the live progress line of
+``acollect(progress=True)``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -13,9 +15,11 @@ from typing import Any
 import pytest
 
 from gym_ray import keys
-from gym_ray.distributed.api import acollect
+from gym_ray.config.run_config import resolve_run_config
+from gym_ray.distributed.api import acollect, plan_from_config, run_actors
 from gym_ray.observe.tracing import JOB_SPAN, ROLLOUT_SPAN, setup_tracing_from_config, shutdown_tracing
 from gym_ray.servers import ThreadedDeployment, bundled_dataset_path, load_bundled_config, start_in_thread
+from tests.distributed.module_notes import finalize_noting_modules, shard_noting_modules
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
@@ -104,3 +108,27 @@ async def test_progress_line_shows_absolute_counts_and_mean_reward_by_server(
     assert last.startswith("60/60 (100.0%) ")
     assert " failed 0 ETA 0s | " in last
     assert last.endswith(f"| {means}")
+
+
+async def test_with_tracing_off_no_actor_process_imports_opentelemetry(
+    ray_session: Any, servers: ThreadedDeployment, tmp_path: Path
+) -> None:
+    # The default shard and finalize functions, noting what their process has loaded once they are done
+    # (from a module of their own: this one imports OpenTelemetry, and the actors import what they call).
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    run = await resolve_run_config(
+        servers.config, settings={"output_dir": str(tmp_path / "run"), "shard_size": 5}
+    )
+    result = await run_actors(
+        run,
+        functools.partial(plan_from_config, run, ray_session.put(_rows(20))),
+        run_dir=str(tmp_path / "run"),
+        num_workers=2,
+        shard_fn=functools.partial(shard_noting_modules, str(notes)),
+        finalize_fn=functools.partial(finalize_noting_modules, str(notes)),
+    )
+    assert result.succeeded == 20
+    seen = {path.name.split("-")[0]: json.loads(path.read_text()) for path in notes.iterdir()}
+    assert set(seen) == {"worker", "host"}
+    assert all(loaded == [] for loaded in seen.values()), seen
