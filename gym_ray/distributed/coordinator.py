@@ -56,6 +56,7 @@ class FinalizeFn(Protocol):
         client: ServerClient,
         wall_s: float,
         num_workers: int = 1,
+        counts_from_reports: bool = False,
     ) -> Awaitable[RunResult]: ...
 
 
@@ -227,7 +228,9 @@ class RunCoordinator:
         """Every shard report's timing, in arrival order."""
         return list(self._timings)
 
-    async def finalize(self, *, num_workers: int, wall_s: float | None = None) -> RunResult:
+    async def finalize(
+        self, *, num_workers: int, wall_s: float | None = None, counts_from_reports: bool = False
+    ) -> RunResult:
         """Merge the shards, aggregate metrics once per environment server, write the summary.
 
         Call once, after every worker returned. The summary gains a ``"distributed"`` entry with the worker
@@ -236,6 +239,9 @@ class RunCoordinator:
         Args:
             num_workers: Workers the run started with.
             wall_s: The run's wall time so far as the caller measured it (default: since this actor started).
+            counts_from_reports: Every shard was handed out once and no worker was lost, so each shard's
+                one report counted its rows under the shard's lock (see ``finalize_run``); else the shards
+                are read again for the closing counts.
 
         Raises:
             AggregationError / RecordError: From ``finalize_run``; the run folder stays resumable.
@@ -251,6 +257,7 @@ class RunCoordinator:
                 client=client,
                 wall_s=wall_s,
                 num_workers=num_workers,
+                counts_from_reports=counts_from_reports,
             )
         status = await self.status()
         self._write_distributed_summary(

@@ -152,6 +152,16 @@ class RunHost:
 
     async def finalize(self, *, num_workers: int, wall_s: float | None = None) -> RunResult:
         """Stop planning, then finalize the run (:meth:`RunCoordinator.finalize`); telemetry stays up
-        until :meth:`close`."""
+        until :meth:`close`.
+
+        The closing counts come from the workers' shard reports when the run handed every shard out once
+        and lost no worker: each shard then had one writer, under its lock, from its resume plan to its
+        report, as in a single-process run. Otherwise (a lost worker, a re-queued shard) the shards are
+        read again.
+        """
         await self._driver.stop_planning()
-        return await self._coordinator.finalize(num_workers=num_workers, wall_s=wall_s)
+        status = await self._driver.status()
+        once = status.requeued_total == 0 and not status.lost_workers
+        return await self._coordinator.finalize(
+            num_workers=num_workers, wall_s=wall_s, counts_from_reports=once
+        )

@@ -1,4 +1,6 @@
-"""Shard and finalize functions for Ray runs that note which OpenTelemetry modules their process loaded.
+"""Shard and finalize functions for Ray runs that leave notes from the actors' processes: which
+OpenTelemetry modules a process loaded, where the closing counts came from; and a shard function whose
+worker dies once.
 
 Kept apart from the tests that use them: an actor imports the module of a function it is given, and the
 test modules import OpenTelemetry themselves.
@@ -11,6 +13,18 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+
+
+def _write(path: Path, text: str) -> None:
+    path.write_text(text)
+
+
+def _first_time(marker: Path) -> bool:
+    """Whether ``marker`` did not exist yet (it does now)."""
+    if marker.exists():
+        return False
+    marker.touch()
+    return True
 
 
 def _note_opentelemetry(note_dir: str, role: str) -> None:
@@ -35,3 +49,30 @@ async def finalize_noting_modules(note_dir: str, plan: Any, reports: Any, **kwar
     result = await finalize_run(plan, reports, **kwargs)
     _note_opentelemetry(note_dir, "host")
     return result
+
+
+async def finalize_noting_counts(note_dir: str, plan: Any, reports: Any, **kwargs: Any) -> Any:
+    """:func:`gym_ray.run.finalize.finalize_run`, noting whether the host asked it to count rows from the
+    shard reports (``note_dir/counts_from_reports.json``)."""
+    from gym_ray.run.finalize import finalize_run
+
+    _write(Path(note_dir, "counts_from_reports.json"), json.dumps(kwargs.get("counts_from_reports")))
+    return await finalize_run(plan, reports, **kwargs)
+
+
+async def shard_dying_once(marker: str, shard: str, spec: Any, **kwargs: Any) -> Any:
+    """:func:`gym_ray.run.collect.run_shard`; the first worker given ``shard`` exits its process instead
+    (``marker`` is created then), so the driver re-queues the shard to a replacement."""
+    from gym_ray.run.collect import run_shard
+
+    if spec.shard == shard and _first_time(Path(marker)):
+        os._exit(1)
+    return await run_shard(spec, **kwargs)
+
+
+async def run_shard_as_is(spec: Any, **kwargs: Any) -> Any:
+    """:func:`gym_ray.run.collect.run_shard`, the default shard function, named here for parametrized
+    tests."""
+    from gym_ray.run.collect import run_shard
+
+    return await run_shard(spec, **kwargs)

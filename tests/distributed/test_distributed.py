@@ -24,6 +24,7 @@ from gym_ray.record.ledger import check_run
 from gym_ray.record.shard_files import list_shards, shard_paths
 from gym_ray.run.collect import acollect_local
 from gym_ray.servers import ThreadedDeployment, bundled_dataset_path, load_bundled_config, start_in_thread
+from tests.distributed.module_notes import finalize_noting_counts, run_shard_as_is, shard_dying_once
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
@@ -272,3 +273,34 @@ async def test_the_driver_takes_over_the_callers_validation_pass(
         checked.discard()
     assert (result.planned, result.succeeded) == (80, 80)
     assert check_run(run_dir).ok
+
+
+@pytest.mark.parametrize("worker_dies", [False, True], ids=["every-shard-once", "a-worker-lost"])
+async def test_closing_counts_come_from_the_reports_only_when_every_shard_ran_once(
+    ray_session: Any, servers: ThreadedDeployment, tmp_path: Path, worker_dies: bool
+) -> None:
+    rows = _rows(20)
+    for row in rows[3], rows[11]:
+        row["fault"] = "500"  # fails on every attempt: 2 failed rows to count
+    run = await resolve_run_config(
+        servers.config, settings={"output_dir": str(tmp_path / "run"), "shard_size": 5}
+    )
+    shard_fn = (
+        functools.partial(shard_dying_once, str(tmp_path / "died"), "00001")
+        if worker_dies
+        else run_shard_as_is
+    )
+    result = await run_actors(
+        run,
+        functools.partial(plan_from_config, run, ray_session.put(rows)),
+        run_dir=str(tmp_path / "run"),
+        num_workers=2,
+        shard_fn=shard_fn,
+        finalize_fn=functools.partial(finalize_noting_counts, str(tmp_path)),
+    )
+    # Counted from the workers' reports when no shard changed hands; read again after a lost worker.
+    assert json.loads((tmp_path / "counts_from_reports.json").read_text()) is (not worker_dies)
+    assert (tmp_path / "died").exists() is worker_dies
+    assert (result.planned, result.succeeded, result.failed, result.pending) == (20, 18, 2, 0)
+    assert (result.resumable, result.complete) == (2, False)
+    assert check_run(tmp_path / "run").as_dict()["duplicates"] == 0

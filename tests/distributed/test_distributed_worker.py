@@ -151,6 +151,7 @@ async def fake_finalize(
     client: ServerClient,
     wall_s: float,
     num_workers: int = 1,
+    counts_from_reports: bool = False,
 ) -> RunResult:
     summary = Path(plan.run_dir) / "rollouts_summary.json"
     summary.write_text("{}")
