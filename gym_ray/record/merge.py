@@ -30,7 +30,8 @@ Concurrency: the per-shard work (read, order, and in the first way keep) is inde
 at least two shards and more than ``pool_min_bytes`` of shard data, ``min(workers, shards)`` processes do
 it: this one and a ``spawn`` process pool of the others. Every shard is queued on the pool, and this
 process takes shards back from the end of the queue (those the pool has not started) and does them itself,
-so it works while the pool's processes start. Each process holds one shard at a time, so each is bounded by
+so it works while the pool's processes start; they do not import this process's main script
+(:func:`gym_ray._spawn.main_script_not_rerun`). Each process holds one shard at a time, so each is bounded by
 one shard. Otherwise this process does every shard. The pool
 is owned by the call and shut down (its processes joined) before it returns or raises; only the
 interpreter-wide multiprocessing resource tracker, started on first use, outlives it. Either way the
@@ -62,6 +63,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from gym_ray._spawn import main_script_not_rerun
 from gym_ray.errors import ConfigError, InputError, RecordError
 from gym_ray.record._merge_shard import Entry, Tally, in_identity_order, keep_lines, read_shard, reduce_shard
 from gym_ray.record.atomic import atomic_writer
@@ -214,6 +216,9 @@ def merge_shards(
             pool: Executor | None = None
             processes = min(_usable_cpus() if workers is None else workers, len(shards))
             if processes >= 2 and _shard_bytes(base, shards) > pool_min_bytes:
+                # The pool starts its processes as shards are queued: inside the block, so that none
+                # imports this process's main script (in a Ray actor: Ray itself, ~1 s of CPU each).
+                stack.enter_context(main_script_not_rerun())
                 pool = stack.enter_context(
                     concurrent.futures.ProcessPoolExecutor(
                         max_workers=processes - 1, mp_context=multiprocessing.get_context("spawn")
