@@ -22,10 +22,10 @@ last three, but its head's node parameters have one for two of them (``no_monito
 the first and skips the second while ``ray.init`` builds a local head of our own, so a local run's tree
 is 4 Ray processes, the caller and the ``1 + num_workers`` actor processes (three processes fewer;
 ``gym-ray bench ray-vs-local``). Also ours to choose: no dashboard (``include_dashboard=False``), no
-log forwarding (``log_to_driver=False``), and the logical CPU count (:data:`LOCAL_MAX_CPUS`), which
-bounds the worker processes Ray prestarts for the first driver (they become the run's actors instead of
-idling). The object store is left at Ray's default size: it is reserved, not resident (a run ships
-only small specs and reports through it, and rows passed as a list once).
+log forwarding (``log_to_driver=False``), no prestarted worker processes (:data:`NO_PRESTART`: the
+processes are the run's actors, started when it asks for them), and the logical CPU count
+(:data:`LOCAL_MAX_CPUS`). The object store is left at Ray's default size: it is reserved, not resident
+(a run ships only small specs and reports through it, and rows passed as a list once).
 
 Every actor asks for ``num_cpus=0``: they wait on the network, and a CPU request would make a small
 cluster refuse to schedule them.
@@ -69,9 +69,7 @@ def ray_init_kwargs(address: str | None) -> dict[str, Any]:
 
     ``RAY_ADDRESS`` set in the environment counts as an address (Ray reads it itself). A local Ray offers
     ``min(cpu_count, MAX_DEFAULT_WORKERS + 1)`` logical CPUs (see :data:`LOCAL_MAX_CPUS`): gym_ray's actors
-    ask for none, and Ray starts that many idle worker processes when the first driver connects (and
-    ``ray.init`` waits for them), so on a large machine more would only be idle processes; at most
-    ``MAX_DEFAULT_WORKERS`` workers and the run's host actor take them over.
+    ask for none; at most ``MAX_DEFAULT_WORKERS`` workers and the run's host actor run there.
     """
     if address is not None or os.environ.get("RAY_ADDRESS"):
         return {"address": address}
@@ -83,6 +81,25 @@ def ray_init_kwargs(address: str | None) -> dict[str, Any]:
 #: machine) and the log monitor (it only forwards actor logs to drivers, and runs start with
 #: ``log_to_driver=False``). ``RayParams`` fields, set while ``ray.init`` builds its head node.
 LEAN_HEAD_PARAMS: dict[str, Any] = {"no_monitor": True, "include_log_monitor": False}
+
+#: The environment a run's own local Ray starts its processes with (a value the user set wins). Ray
+#: prestarts one idle worker process per logical CPU when the first driver connects, and ``ray.init``
+#: waits for them: 1.0-1.9 s on 2 cores (its ``connect`` takes 0.03 s without), and up to
+#: :data:`LOCAL_MAX_CPUS` processes of ~1 s of CPU and ~50 MB each on a large machine, for a run that uses
+#: ``1 + num_workers``. Without them each actor starts its process when the run creates it.
+NO_PRESTART: dict[str, str] = {"RAY_prestart_worker_first_driver": "0"}
+
+
+@contextmanager
+def _environment_defaults(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` where unset, inside the block (processes started there inherit it)."""
+    added = {name: value for name, value in values.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 @contextmanager
@@ -151,6 +168,8 @@ def _node_without_api_server(base: Any) -> Any:
 def _lean_head() -> Iterator[tuple[bool, bool]]:
     """While ``ray.init`` starts a local head, start it without the processes a run never uses.
 
+    Its processes start with :data:`NO_PRESTART` in their environment (Ray reads ``RAY_<setting>``).
+
     ``ray.init`` has no argument for them, but builds its head from two names of its own:
     ``ray._private.parameter.RayParams`` (its constructor takes :data:`LEAN_HEAD_PARAMS`) and
     ``ray._private.node.Node`` (whose ``start_api_server`` starts the API server). Each is swapped for a
@@ -163,6 +182,7 @@ def _lean_head() -> Iterator[tuple[bool, bool]]:
         yield (False, False)
         return
     with (
+        _environment_defaults(NO_PRESTART),
         _swapped(parameter, "RayParams", _lean_params) as params,
         _swapped(node, "Node", _node_without_api_server) as api,
     ):
@@ -175,8 +195,8 @@ def start_ray(address: str | None, **options: Any) -> None:
     A local head started here has no autoscaler monitor and no log monitor (:data:`LEAN_HEAD_PARAMS`),
     and no API server (with the dashboard off it serves only usage stats, and ``ray.init`` waits 1-2 s
     for it to start): three Python processes (measured on Ray 2.60: the two monitors ~100 MB of PSS, ~1 s
-    of CPU at start and ~2% of a core while idle) that a run on one machine never uses. Joining a
-    cluster changes nothing there.
+    of CPU at start and ~2% of a core while idle) that a run on one machine never uses. Nor does it
+    prestart idle worker processes (:data:`NO_PRESTART`). Joining a cluster changes nothing there.
     """
     import ray
 

@@ -91,6 +91,7 @@ def test_the_lean_head_parameters_hold_only_while_ray_init_builds_a_head() -> No
     assert LEAN_HEAD_PARAMS == {"no_monitor": True, "include_log_monitor": False}
     with _lean_head() as lean:
         assert lean == (True, True)
+        assert os.environ["RAY_prestart_worker_first_driver"] == "0"  # no idle worker processes
         params = parameter.RayParams()
         assert (params.no_monitor, params.include_log_monitor) == (True, False)
         explicit = parameter.RayParams(no_monitor=False)  # a caller's own value wins
@@ -100,7 +101,17 @@ def test_the_lean_head_parameters_hold_only_while_ray_init_builds_a_head() -> No
         head.start_api_server(include_dashboard=False, raise_on_failure=True)
         assert head._webui_url is None
     assert (parameter.RayParams, node.Node) == (original, original_node)
+    assert "RAY_prestart_worker_first_driver" not in os.environ  # the raylet's environment only
     with pytest.raises(RuntimeError, match="boom"), _lean_head():
         raise RuntimeError("boom")
     assert (parameter.RayParams, node.Node) == (original, original_node)  # put back when ray.init fails
     assert original().include_log_monitor is None  # Ray's own default is untouched
+
+
+def test_a_prestart_setting_the_user_chose_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gym_ray.distributed.placement import _lean_head
+
+    monkeypatch.setenv("RAY_prestart_worker_first_driver", "1")
+    with _lean_head():
+        assert os.environ["RAY_prestart_worker_first_driver"] == "1"
+    assert os.environ["RAY_prestart_worker_first_driver"] == "1"
