@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.errors import GymRayError, RecordError, ResumeError, UsageError
+from gym_ray.plan._commit import commit_new_shard
 from gym_ray.plan._input_chunks import ChunkCheck
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan._stage import Staged, stage_shards
@@ -47,7 +48,7 @@ from gym_ray.plan.first_pass import (
 )
 from gym_ray.plan.run_manifest import RUN_MANIFEST, open_run, read_run_manifest, write_run_manifest
 from gym_ray.record.manifest import ShardManifest
-from gym_ray.record.writer import ShardWriter
+from gym_ray.record.shard_files import shard_paths
 
 #: Largest automatic shard (rows); also the shard size of a plan cut without a known worker count.
 DEFAULT_SHARD_SIZE = 1000
@@ -316,8 +317,8 @@ def _commit_shard(
 ) -> ShardSpec:
     """Move one staged shard into place (or, on resume, check the existing one is identical)."""
     label, num_rows, digest = staged.label, staged.num_rows, staged.digest
-    writer = ShardWriter(root, label, run_id=run_id, config_identity=config_identity)
-    inputs_path = writer.paths.materialized_inputs
+    paths = shard_paths(root, label)
+    inputs_path = paths.materialized_inputs
     staged_path = staging / f"{label}.jsonl"
     if inputs_path.exists():
         if _file_sha256(inputs_path) != digest:
@@ -329,18 +330,18 @@ def _commit_shard(
         staged_path.unlink(missing_ok=True)
     else:
         inputs_path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staged_path, inputs_path)
-        with writer:
-            writer.write_manifest(
-                ShardManifest.of_plan(
-                    run_id=run_id,
-                    shard=label,
-                    config_identity=config_identity,
-                    inputs_digest=digest,
-                    attempt_plan=staged.attempt_plan,
-                    max_rollout_attempts=max_rollout_attempts,
-                )
-            )
+        commit_new_shard(
+            staged_path,
+            paths,
+            ShardManifest.of_plan(
+                run_id=run_id,
+                shard=label,
+                config_identity=config_identity,
+                inputs_digest=digest,
+                attempt_plan=staged.attempt_plan,
+                max_rollout_attempts=max_rollout_attempts,
+            ),
+        )
     return ShardSpec(
         run_dir=str(root),
         shard=label,
