@@ -35,6 +35,7 @@ from gym_ray.config.settings import RunSettings
 from gym_ray.errors import GymRayError, RecordError, ResumeError, UsageError
 from gym_ray.plan._commit import commit_new_shard
 from gym_ray.plan._input_chunks import ChunkCheck
+from gym_ray.plan._proven_pass import proven_rows
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan._stage import Staged, stage_shards
 from gym_ray.plan.first_pass import (
@@ -460,7 +461,9 @@ def iter_prepare_run(
             yield from plan(_checked(source(replay), replay), counted)
         else:  # pass 1 logged the bytes it read: pass 2 proves it reads them and numbers by order
             replay.trust_bytes()
-            again = input_rows(settings, topology, None, stop, proven_by=check.reader)(replay)
+            again = proven_rows(settings, topology, stop, check.reader, replay)
+            if again is None:  # limit set, or knobs that rewrite rows: the general pass
+                again = input_rows(settings, topology, None, stop, proven_by=check.reader)(replay)
             yield from plan(_checked(again, replay, check), counted)
 
 
