@@ -25,9 +25,12 @@ from typing import Any
 import orjson
 
 from gym_ray import keys
+from gym_ray._json import _DIGITS_AS_ZERO as _MARKS
+from gym_ray._json import _PASSTHROUGH, _UNSURE
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
 from gym_ray.plan import load
+from gym_ray.plan._stage import StampedLine
 from gym_ray.plan._validate_pass import preprocess_knobs
 from gym_ray.plan.load import MAX_LINE_BYTES, ReadWrapper, Stopped
 from gym_ray.plan.preprocess import TaskNumbering, _Preprocessor
@@ -41,6 +44,17 @@ _AGENT_REF = keys.AGENT_REF
 _PARAMS = keys.RESPONSES_CREATE_PARAMS
 _TASK = keys.TASK_INDEX
 _ROLLOUT = keys.ROLLOUT_INDEX
+_ATTEMPT = keys.ATTEMPT_INDEX
+#: What stamping appends to a row's text (json's compact text: the two keys last, as ``dict(row)`` adds them).
+_STAMP = b'%%s,"%s":%%d,"%s":%%d}\n' % (_TASK.encode(), _ROLLOUT.encode())
+
+
+def _written_as_is(block: bytes) -> bool:
+    """True when, for every row of ``block`` whose orjson text is its line, ``json``'s compact text is that
+    line too: the block holds none of the marks for which :func:`gym_ray._json.dumps_compact_lines` asks
+    ``json`` (an exponent, 17 digits in a row, ``0.0000``, ``null``)."""
+    marked = block.translate(_MARKS)
+    return not (b"0e" in marked or _UNSURE[1] in marked or b"0.0000" in marked or b"null" in marked)
 
 
 def proven_rows(
@@ -49,7 +63,7 @@ def proven_rows(
     stop: threading.Event | None,
     wrap_read: ReadWrapper,
     numbering: TaskNumbering,
-) -> Iterator[dict[str, Any]] | None:
+) -> Iterator[dict[str, Any] | StampedLine] | None:
     """The preprocessed rows of the input file read through ``wrap_read``, or None when this loop does not
     apply (``limit`` set, or a knob that rewrites rows: the caller takes the general pass).
 
@@ -69,13 +83,13 @@ def proven_rows(
 
 def _rows(
     name: str, wrap_read: ReadWrapper, state: _Preprocessor, stop: threading.Event | None
-) -> Iterator[dict[str, Any]]:
+) -> Iterator[dict[str, Any] | StampedLine]:
     common = state.common
     assert common is not None  # checked by the caller
     repeats = common.num_repeats
     task_index, take, keys_seen = state.number, state.next_rollout.take, state.keys_seen
     expand = state.expand
-    loads, decode_error = orjson.loads, orjson.JSONDecodeError
+    loads, decode_error, dumps, opt = orjson.loads, orjson.JSONDecodeError, orjson.dumps, _PASSTHROUGH
     slow, fast_decode, slow_decode = load._SLOW, load._fast_decode, load._slow_decode
     bom, digits_as_zero, nineteen = load._BOM, load._DIGITS_AS_ZERO, load._NINETEEN_DIGITS
     max_line, check_every = MAX_LINE_BYTES, load.STOP_CHECK_ROWS
@@ -85,6 +99,7 @@ def _rows(
     with handle:
         for block in load._line_blocks(wrap_read(handle.read), name, max_line, 0):
             plain = nineteen not in block.translate(digits_as_zero)
+            as_is = _written_as_is(block)
             for content in block.split(b"\n"):
                 line_no += 1
                 if len(content) > max_line:
@@ -124,6 +139,25 @@ def _rows(
                                     task = -1  # the general path reports the row
                             if type(task) is int and task >= 0:
                                 keys_seen.add(agent)
+                                if (
+                                    as_is
+                                    and _TASK not in row
+                                    and _ROLLOUT not in row
+                                    and dumps(row, option=opt) == fast
+                                ):
+                                    # json's text of the row is the line read: stamp the line, not a copy
+                                    attempt = row.get(_ATTEMPT)
+                                    attempt = attempt if type(attempt) is int else 0
+                                    text = fast[:-1]
+                                    if repeats == 1:
+                                        rollout = take(task)
+                                        yield (task, rollout, attempt, _STAMP % (text, task, rollout))
+                                    else:
+                                        for _ in range(repeats):
+                                            rollout = take(task)
+                                            yield (task, rollout, attempt, _STAMP % (text, task, rollout))
+                                    pos += 1
+                                    continue
                                 base = dict(row)
                                 base[_PARAMS] = dict(params)
                                 base[_TASK] = task

@@ -37,7 +37,7 @@ from gym_ray.plan._commit import commit_new_shard
 from gym_ray.plan._input_chunks import ChunkCheck
 from gym_ray.plan._proven_pass import proven_rows
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
-from gym_ray.plan._stage import Staged, stage_shards
+from gym_ray.plan._stage import Staged, StampedLine, stage_shards
 from gym_ray.plan.first_pass import (
     CheckedInput,
     adopt_parts,
@@ -436,7 +436,7 @@ def iter_prepare_run(
         )
     source = input_rows(settings, topology, rows, stop)
 
-    def plan(rows: Iterator[dict[str, Any]], counted: int) -> Iterator[ShardSpec]:
+    def plan(rows: Iterator[Any], counted: int) -> Iterator[ShardSpec]:  # rows or StampedLines
         return iter_plan(
             rows,
             output_dir,
@@ -478,8 +478,8 @@ def _planned_shard_size(settings: RunSettings, output_dir: str, run_rows: int, n
 
 
 def _checked(
-    rows: Iterator[dict[str, Any]], replay: DedupeReplay, check: ChunkCheck | None = None
-) -> Iterator[dict[str, Any]]:
+    rows: Iterator[dict[str, Any] | StampedLine], replay: DedupeReplay, check: ChunkCheck | None = None
+) -> Iterator[dict[str, Any] | StampedLine]:
     """``rows``, then the check that the second pass numbered what the first pass saw."""
     yield from rows
     replay.finish()

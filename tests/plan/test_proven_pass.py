@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from gym_ray._json import dumps_compact_lines
 from gym_ray.config.run_config import RunConfig
 from gym_ray.errors import InputError
 from gym_ray.plan import _parallel_pass, shards
@@ -26,21 +27,45 @@ def _row(question: str, **extra: Any) -> dict[str, Any]:
     return {"responses_create_params": {"input": question}, "agent_ref": {"name": "arith_agent"}, **extra}
 
 
-def _lines() -> list[str]:
+def _lines(*, marked: bool = False) -> list[str]:
     """Varied lines: unicode and escapes, repeated rows (one with other whitespace), rows with their own
-    task or rollout index, an attempt index, nested values, a 19-digit integer (its block is not plain)."""
+    task or rollout index, an attempt index, nested values.
+    Most lines are json's compact text (stamped as read), some are not (one with spaces, one with its
+    non-ASCII escaped); ``marked``: values for which json and orjson may write other text (``null``, an
+    exponent, a 19-digit integer: the block is not plain either), so no line of the block is stamped as
+    read."""
     rows = [
-        _row('é ✓ "q" \\ 😀', meta={"b": 1, "a": [1.5, "é", None, True]}),
+        _row('é ✓ "q" \\ 😀 \n\t', meta={"b": 1, "a": [1.5, "é", True, -0.0, 0.1]}),
         _row("q1", _ng_task_index=7),
         _row("q2", _ng_rollout_index=5, extra="x"),
-        _row('é ✓ "q" \\ 😀', meta={"b": 1, "a": [1.5, "é", None, True]}),
-        _row("q3", _ng_attempt_index=2, n=-0.0, e=1e-7),
-        _row("q4", big=1234567890123456789),
+        _row('é ✓ "q" \\ 😀 \n\t', meta={"b": 1, "a": [1.5, "é", True, -0.0, 0.1]}),
+        _row("q3", _ng_attempt_index=2, n=-12, f=2.25),
+        _row("q4", nested={"deep": [[{"x": "y"}]]}),
         _row("q1", _ng_task_index=7),
+        _row("q5", _ng_attempt_index="x", ascii="ü"),
     ]
-    lines = [json.dumps(r, ensure_ascii=False) for r in rows]
+    if marked:
+        rows += [_row("q6", none=None, tiny=1e-7), _row("q7", big=1234567890123456789)]
+    lines = [json.dumps(r, ensure_ascii=False, separators=(",", ":")) for r in rows]
     lines[3] = lines[3].replace(",", " ,\t")  # other whitespace, same content
+    lines[7] = json.dumps(rows[7], separators=(",", ":"))  # "\u00fc": not orjson's text
     return lines * 3
+
+
+def _normal(items: list[Any]) -> list[Any]:
+    """Rows as ``(task, rollout, attempt, line)``, each line json's compact text of the row (what a shard
+    file holds); a stamped line as it is; an error as it is."""
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, dict):
+            attempt = item.get("_ng_attempt_index")
+            attempt = attempt if type(attempt) is int else 0
+            out.append(
+                (item["_ng_task_index"], item["_ng_rollout_index"], attempt, dumps_compact_lines([item]))
+            )
+        else:
+            out.append(item)
+    return out
 
 
 def _settings(tmp_path: Path, lines: list[str], *, bom: bool = False, **extra: Any) -> RunConfig:
@@ -77,19 +102,31 @@ def _both(run: RunConfig, stop: threading.Event | None = None) -> tuple[list[Any
     def general() -> Any:
         return input_rows(run.settings, run.topology, None, stop, proven_by=through)(CompactIndex())
 
-    return collect(loop), collect(general)
+    return _normal(collect(loop)), _normal(collect(general))
 
 
+@pytest.mark.parametrize("marked", [False, True])
 @pytest.mark.parametrize("repeats", [1, 3])
 @pytest.mark.parametrize("bom", [False, True])
-def test_the_loop_yields_the_general_pass_s_rows(tmp_path: Path, repeats: int, bom: bool) -> None:
-    fast, general = _both(_settings(tmp_path, _lines(), bom=bom, num_repeats=repeats))
-    assert len(fast) == 21 * repeats
+def test_the_loop_yields_the_general_pass_s_rows(
+    tmp_path: Path, repeats: int, bom: bool, marked: bool
+) -> None:
+    run = _settings(tmp_path, _lines(marked=marked), bom=bom, num_repeats=repeats)
+    fast, general = _both(run)
+    assert len(fast) == (30 if marked else 24) * repeats
     assert fast == general
-    assert [list(row) for row in fast] == [list(row) for row in general]  # same keys in the same order
     # the repeated row numbers into its first task; a row's own task index is kept
-    assert fast[3 * repeats]["_ng_task_index"] == fast[0]["_ng_task_index"] == 0
-    assert fast[repeats]["_ng_task_index"] == 7
+    assert fast[3 * repeats][0] == fast[0][0] == 0
+    assert fast[repeats][0] == 7
+    # stamped as read: the compact lines without an own task / rollout index, not the spaced or escaped
+    # ones; none when the block is marked
+    rows = proven_rows(run.settings, run.topology, None, lambda read: read, CompactIndex())
+    assert rows is not None
+    stamped = [type(item) is tuple for item in rows]
+    if marked:
+        assert not any(stamped)
+    else:
+        assert stamped[: 8 * repeats] == [x for x in (1, 0, 0, 0, 1, 1, 0, 0) for _ in range(repeats)]
 
 
 def test_a_line_orjson_refuses_is_read_as_json_reads_it(tmp_path: Path) -> None:
@@ -99,15 +136,15 @@ def test_a_line_orjson_refuses_is_read_as_json_reads_it(tmp_path: Path) -> None:
     ]
     fast, general = _both(_settings(tmp_path, lines, strict_json=False))
     assert fast == general
-    assert str(fast[-1]["x"]) == "nan"
+    assert fast[-1][3].endswith(b'"x":NaN,"_ng_task_index":5,"_ng_rollout_index":0}\n')
 
 
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
-        ("{bad", "line 22: malformed JSON"),
-        ("", "line 22: blank line"),
-        ('["a list"]', "line 22: the row "),
+        ("{bad", "line 25: malformed JSON"),
+        ("", "line 25: blank line"),
+        ('["a list"]', "line 25: the row "),
     ],
 )
 def test_a_bad_line_raises_the_general_pass_s_error(tmp_path: Path, bad: str, message: str) -> None:
@@ -156,11 +193,11 @@ def test_a_planned_folder_is_byte_identical_with_and_without_the_loop(
 
     monkeypatch.setattr(shards, "proven_rows", spy)
     fast = _settings(tmp_path / "fast", lines, num_repeats=2, shard_size=5)
-    assert sum(spec.num_rows for spec in iter_prepare_run(fast)) == 168
+    assert sum(spec.num_rows for spec in iter_prepare_run(fast)) == 192
     assert used == [True]
     monkeypatch.setattr(shards, "proven_rows", lambda *args: None)
     general = _settings(tmp_path / "general", lines, num_repeats=2, shard_size=5)
-    assert sum(spec.num_rows for spec in iter_prepare_run(general)) == 168
+    assert sum(spec.num_rows for spec in iter_prepare_run(general)) == 192
     planned = _planned(tmp_path / "fast" / "run")
-    assert len(planned) == 2 * 28  # a task's 2 rollouts together, cut after 6 rows: 28 shards
+    assert len(planned) == 2 * 32  # a task's 2 rollouts together, cut after 6 rows: 32 shards
     assert planned == _planned(tmp_path / "general" / "run")
