@@ -4,7 +4,9 @@ generators gives: the same rows, numbered alike, the same shard files, the same 
 from __future__ import annotations
 
 import json
+import random
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from gym_ray.plan.load import Stopped
 from gym_ray.plan.shards import iter_prepare_run
 from gym_ray.record.manifest import ShardManifest
 from gym_ray.servers import load_bundled_config
+from tests.test_json_equivalence import _random_value
 
 
 def _row(question: str, **extra: Any) -> dict[str, Any]:
@@ -201,3 +204,22 @@ def test_a_planned_folder_is_byte_identical_with_and_without_the_loop(
     planned = _planned(tmp_path / "fast" / "run")
     assert len(planned) == 2 * 32  # a task's 2 rollouts together, cut after 6 rows: 32 shards
     assert planned == _planned(tmp_path / "general" / "run")
+
+
+def test_random_rows_written_by_json_are_stamped_to_json_s_text_of_the_stamped_row(tmp_path: Path) -> None:
+    rng = random.Random(20261202)
+    lines = []
+    for k in range(300):
+        extra = {"v": _random_value(rng), "w": [_random_value(rng) for _ in range(rng.randrange(3))]}
+        text = json.dumps(_row(f"q{k % 40}", **extra), ensure_ascii=rng.random() < 0.2, separators=(",", ":"))
+        lines.append(text)
+    kinds: Counter[str] = Counter()
+    for start in range(0, 300, 2):  # files of 2 lines (a mark anywhere in a file holds its lines back)
+        run = _settings(tmp_path / str(start), lines[start : start + 2], num_repeats=2)
+        fast, general = _both(run)
+        assert fast == general
+        rows = proven_rows(run.settings, run.topology, None, lambda read: read, CompactIndex())
+        assert rows is not None
+        kinds.update(type(item).__name__ for item in rows)
+    assert kinds["tuple"] > 0  # some rows stamped as read ...
+    assert kinds["dict"] > 0  # ... and some encoded again
