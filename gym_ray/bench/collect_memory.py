@@ -279,7 +279,8 @@ def run_collect_memory_bench(
                 f"{stage}-memory bench: rows={n} peak_rss={run['peak_rss_mb']:.1f} MB "
                 f"(baseline {run['baseline_rss_mb']:.1f} MB) wall={run['wall_s']:.1f} s "
                 f"{run['rollouts_per_s']:.0f} rollouts/s {run['cpu_us_per_rollout']:.0f} us CPU/rollout "
-                f"(+{run['children_cpu_s']:.1f} s in child processes)"
+                f"(+{run['children_cpu_s']:.1f} s in child processes: "
+                f"{run['cpu_us_per_rollout'] + run['children_cpu_s'] / n * 1e6:.0f} us CPU per row in all)"
                 + (f" first shard {run['first_shard_s']:.2f} s" if run["first_shard_s"] is not None else ""),
                 flush=True,
             )

@@ -33,9 +33,11 @@ from pydantic import BaseModel, ConfigDict
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.errors import GymRayError, RecordError, ResumeError, UsageError
+from gym_ray.plan._commit import commit_new_shard
 from gym_ray.plan._input_chunks import ChunkCheck
+from gym_ray.plan._proven_pass import proven_rows
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
-from gym_ray.plan._stage import Staged, stage_shards
+from gym_ray.plan._stage import Staged, StampedLine, stage_shards
 from gym_ray.plan.first_pass import (
     CheckedInput,
     adopt_parts,
@@ -47,7 +49,7 @@ from gym_ray.plan.first_pass import (
 )
 from gym_ray.plan.run_manifest import RUN_MANIFEST, open_run, read_run_manifest, write_run_manifest
 from gym_ray.record.manifest import ShardManifest
-from gym_ray.record.writer import ShardWriter
+from gym_ray.record.shard_files import shard_paths
 
 #: Largest automatic shard (rows); also the shard size of a plan cut without a known worker count.
 DEFAULT_SHARD_SIZE = 1000
@@ -316,8 +318,8 @@ def _commit_shard(
 ) -> ShardSpec:
     """Move one staged shard into place (or, on resume, check the existing one is identical)."""
     label, num_rows, digest = staged.label, staged.num_rows, staged.digest
-    writer = ShardWriter(root, label, run_id=run_id, config_identity=config_identity)
-    inputs_path = writer.paths.materialized_inputs
+    paths = shard_paths(root, label)
+    inputs_path = paths.materialized_inputs
     staged_path = staging / f"{label}.jsonl"
     if inputs_path.exists():
         if _file_sha256(inputs_path) != digest:
@@ -329,18 +331,18 @@ def _commit_shard(
         staged_path.unlink(missing_ok=True)
     else:
         inputs_path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staged_path, inputs_path)
-        with writer:
-            writer.write_manifest(
-                ShardManifest.of_plan(
-                    run_id=run_id,
-                    shard=label,
-                    config_identity=config_identity,
-                    inputs_digest=digest,
-                    attempt_plan=staged.attempt_plan,
-                    max_rollout_attempts=max_rollout_attempts,
-                )
-            )
+        commit_new_shard(
+            staged_path,
+            paths,
+            ShardManifest.of_plan(
+                run_id=run_id,
+                shard=label,
+                config_identity=config_identity,
+                inputs_digest=digest,
+                attempt_plan=staged.attempt_plan,
+                max_rollout_attempts=max_rollout_attempts,
+            ),
+        )
     return ShardSpec(
         run_dir=str(root),
         shard=label,
@@ -434,7 +436,7 @@ def iter_prepare_run(
         )
     source = input_rows(settings, topology, rows, stop)
 
-    def plan(rows: Iterator[dict[str, Any]], counted: int) -> Iterator[ShardSpec]:
+    def plan(rows: Iterator[Any], counted: int) -> Iterator[ShardSpec]:  # rows or StampedLines
         return iter_plan(
             rows,
             output_dir,
@@ -459,7 +461,9 @@ def iter_prepare_run(
             yield from plan(_checked(source(replay), replay), counted)
         else:  # pass 1 logged the bytes it read: pass 2 proves it reads them and numbers by order
             replay.trust_bytes()
-            again = input_rows(settings, topology, None, stop, proven_by=check.reader)(replay)
+            again = proven_rows(settings, topology, stop, check.reader, replay)
+            if again is None:  # limit set, or knobs that rewrite rows: the general pass
+                again = input_rows(settings, topology, None, stop, proven_by=check.reader)(replay)
             yield from plan(_checked(again, replay, check), counted)
 
 
@@ -474,8 +478,8 @@ def _planned_shard_size(settings: RunSettings, output_dir: str, run_rows: int, n
 
 
 def _checked(
-    rows: Iterator[dict[str, Any]], replay: DedupeReplay, check: ChunkCheck | None = None
-) -> Iterator[dict[str, Any]]:
+    rows: Iterator[dict[str, Any] | StampedLine], replay: DedupeReplay, check: ChunkCheck | None = None
+) -> Iterator[dict[str, Any] | StampedLine]:
     """``rows``, then the check that the second pass numbered what the first pass saw."""
     yield from rows
     replay.finish()
