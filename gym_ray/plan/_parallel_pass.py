@@ -42,6 +42,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from gym_ray._spawn import main_script_not_rerun
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, InternalError
@@ -230,7 +231,8 @@ def valid_ranges(
             )
             children.append((proc, receiver))
             try:
-                proc.start()
+                with main_script_not_rerun():  # in a Ray actor the main script would import Ray again
+                    proc.start()
             finally:
                 sender.close()
         results = [_count_range(path, *ranges[0], settings, topology, where, "range-0000", stop)]

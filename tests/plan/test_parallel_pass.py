@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import subprocess
+import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -250,3 +253,44 @@ def test_a_daemon_process_validates_in_one_process(tmp_path: Path) -> None:
         proc.join(120)
         receiver.close()
     assert proc.exitcode == 0
+
+
+RANGE_SCRIPT = """
+import os, sys
+with open(sys.argv[2], "a") as marker:
+    marker.write(f"{os.getpid()}\\n")
+if __name__ == "__main__":
+    import json
+    from pathlib import Path
+    from gym_ray.plan import _parallel_pass
+    from gym_ray.plan._spill_dedupe import SpillDedupe
+    from tests.plan.test_common_rows import _config
+    from tests.plan.test_parallel_pass import _adopted_ranges
+    _parallel_pass.PROCESSES = 2
+    folder = Path(sys.argv[1])
+    run = _config(folder, "run", folder / "rows.jsonl")
+    with SpillDedupe() as dedupe:
+        print(json.dumps({"rows": _adopted_ranges(run, dedupe), "pid": os.getpid()}))
+"""
+
+
+def test_the_range_process_does_not_run_the_main_script_again(tmp_path: Path) -> None:
+    # A real script as __main__ whose unguarded top level notes each pid that runs it (gym_ray._spawn):
+    # in a Ray actor that script is Ray's default_worker.py, which would import Ray again.
+    _write(tmp_path / "rows.jsonl", _lines(2))
+    script = tmp_path / "main_script.py"
+    script.write_text(RANGE_SCRIPT)
+    marker = tmp_path / "ran.txt"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(marker)],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["rows"] == len(_lines(2))  # validated over two byte ranges, one in a spawned process
+    assert marker.read_text().split() == [str(report["pid"])]
