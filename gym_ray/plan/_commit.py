@@ -11,21 +11,19 @@ only to write the manifest took six and left the inputs' bytes unsynced):
 
 1. fsync the staged inputs file; rename it into the run folder; create the shard's empty results files
    and lock file (what a writer's ``open`` creates, so a planned folder holds the same names);
-2. write the manifest to a temporary file and fsync it;
-3. fsync the run folder (the inputs' name, the empty files and the temporary manifest are on disk);
-4. rename the manifest into place and fsync the run folder again (the shard is committed).
+2. fsync the run folder (the inputs' name and the empty files are on disk);
+3. write the manifest with :func:`~gym_ray.record.atomic.atomic_write_bytes` (a temporary file, fsynced,
+   renamed into place, the run folder fsynced again): the shard is committed.
 
 The bytes written are those the writer writes: the manifest is ``model_dump_json(indent=2)`` and a newline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 from pathlib import Path
 
-from gym_ray.record.atomic import fsync_dir
+from gym_ray.record.atomic import atomic_write_bytes, fsync_dir
 from gym_ray.record.manifest import ShardManifest
 from gym_ray.record.shard_files import ShardPaths
 
@@ -56,24 +54,6 @@ def commit_new_shard(staged: Path, paths: ShardPaths, manifest: ShardManifest) -
     os.replace(staged, paths.materialized_inputs)
     for path in (paths.successes, paths.failures, paths.lock):
         os.close(os.open(path, _CREATE, 0o644))
-    data = manifest.model_dump_json(indent=2).encode() + b"\n"
-    target = paths.manifest
-    tmp = target.with_name(f".{target.name}.tmp-{secrets.token_hex(6)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    replaced = False
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(paths.run_dir)
-        os.replace(tmp, target)
-        replaced = True
-        fsync_dir(paths.run_dir)
-    finally:
-        if not replaced:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+    # The inputs' name, the empty files: on disk before the manifest names the shard (then it is committed).
+    fsync_dir(paths.run_dir)
+    atomic_write_bytes(paths.manifest, manifest.model_dump_json(indent=2).encode() + b"\n")

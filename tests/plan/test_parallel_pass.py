@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
-import subprocess
-import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -26,6 +23,7 @@ from gym_ray.plan.run_manifest import read_run_manifest
 from gym_ray.plan.shards import prepare_run
 from gym_ray.record.manifest import read_manifest
 from gym_ray.servers import load_bundled_config
+from tests.main_script import run_as_main_script
 from tests.plan.test_common_rows import _config, _row
 
 
@@ -256,11 +254,8 @@ def test_a_daemon_process_validates_in_one_process(tmp_path: Path) -> None:
 
 
 RANGE_SCRIPT = """
-import os, sys
-with open(sys.argv[2], "a") as marker:
-    marker.write(f"{os.getpid()}\\n")
 if __name__ == "__main__":
-    import json
+    import json, sys
     from pathlib import Path
     from gym_ray.plan import _parallel_pass
     from gym_ray.plan._spill_dedupe import SpillDedupe
@@ -275,22 +270,9 @@ if __name__ == "__main__":
 
 
 def test_the_range_process_does_not_run_the_main_script_again(tmp_path: Path) -> None:
-    # A real script as __main__ whose unguarded top level notes each pid that runs it (gym_ray._spawn):
-    # in a Ray actor that script is Ray's default_worker.py, which would import Ray again.
+    # A real script as __main__ whose top level notes each pid that runs it (tests/main_script.py): in a
+    # Ray actor that script is Ray's default_worker.py, which would import Ray again (gym_ray._spawn).
     _write(tmp_path / "rows.jsonl", _lines(2))
-    script = tmp_path / "main_script.py"
-    script.write_text(RANGE_SCRIPT)
-    marker = tmp_path / "ran.txt"
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), str(marker)],
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout)
+    report, pids = run_as_main_script(tmp_path, RANGE_SCRIPT, str(tmp_path))
     assert report["rows"] == len(_lines(2))  # validated over two byte ranges, one in a spawned process
-    assert marker.read_text().split() == [str(report["pid"])]
+    assert pids == [report["pid"]]
