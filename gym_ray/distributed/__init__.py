@@ -9,8 +9,9 @@ names are imported on first use (PEP 562), so an actor process that imports
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gym_ray._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from gym_ray.distributed.api import RunActors, acollect, collect, plan_from_config, run_actors
@@ -59,14 +60,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gym_ray.distributed' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

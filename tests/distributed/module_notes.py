@@ -68,11 +68,3 @@ async def shard_dying_once(marker: str, shard: str, spec: Any, **kwargs: Any) ->
     if spec.shard == shard and _first_time(Path(marker)):
         os._exit(1)
     return await run_shard(spec, **kwargs)
-
-
-async def run_shard_as_is(spec: Any, **kwargs: Any) -> Any:
-    """:func:`gym_ray.run.collect.run_shard`, the default shard function, named here for parametrized
-    tests."""
-    from gym_ray.run.collect import run_shard
-
-    return await run_shard(spec, **kwargs)

@@ -24,7 +24,7 @@ from gym_ray.record.ledger import check_run
 from gym_ray.record.shard_files import list_shards, shard_paths
 from gym_ray.run.collect import acollect_local
 from gym_ray.servers import ThreadedDeployment, bundled_dataset_path, load_bundled_config, start_in_thread
-from tests.distributed.module_notes import finalize_noting_counts, run_shard_as_is, shard_dying_once
+from tests.distributed.module_notes import finalize_noting_counts, shard_dying_once
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
@@ -285,11 +285,8 @@ async def test_closing_counts_come_from_the_reports_only_when_every_shard_ran_on
     run = await resolve_run_config(
         servers.config, settings={"output_dir": str(tmp_path / "run"), "shard_size": 5}
     )
-    shard_fn = (
-        functools.partial(shard_dying_once, str(tmp_path / "died"), "00001")
-        if worker_dies
-        else run_shard_as_is
-    )
+    # The default shard function (None), or one whose first worker on shard 00001 exits its process.
+    shard_fn = functools.partial(shard_dying_once, str(tmp_path / "died"), "00001") if worker_dies else None
     result = await run_actors(
         run,
         functools.partial(plan_from_config, run, ray_session.put(rows)),
