@@ -60,9 +60,11 @@ async def finalize_run(
     The failed, pending and resumable rows are each shard's as :func:`~gym_ray.plan.resume.plan_resume`
     counts them from its files. With ``counts_from_reports`` a shard with exactly one report that carries
     its rows (:attr:`ShardReport.rows`) is counted from that report instead of being read again; pass it
-    only when the reports are the calls this process made, one per shard, holding the run folder's lock
-    (a single-process run), so no other writer can have appended since. Every other shard (none or several
-    reports, no rows in its report) is read again.
+    only when each shard had one writer, under its lock, from the resume plan its call made to its report,
+    so no other writer can have appended since: a single-process run (one call per shard, under the run
+    folder's lock), or a Ray run whose driver handed every shard out once and lost no worker
+    (:meth:`~gym_ray.distributed.host.RunHost.finalize`). Every other shard (none or several reports, no
+    rows in its report) is read again.
     """
     reports = list(reports)
     settings = run.settings
