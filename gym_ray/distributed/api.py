@@ -327,6 +327,14 @@ async def run_actors(
             num_workers=num_workers, wall_s=time.monotonic() - started
         )
         finished = True
+        from gym_ray.record.aggregate import adopt_written_summary
+
+        # The caller prints the headline from the host's summary, not from a second read of the metrics
+        # file; if the host cannot say (it just died), the file is read.
+        try:
+            adopt_written_summary(await host.written_metrics_summary.remote())
+        except ray.exceptions.RayError as exc:
+            logger.debug("collect: the host's metrics summary is not available: %s", exc)
         return result
     except ray.exceptions.RayActorError:
         await _raise_if_run_actor_lost(actors, run_dir)

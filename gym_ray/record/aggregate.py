@@ -81,6 +81,7 @@ __all__ = [
     "AGGREGATE_FILE_NAME",
     "AggregateEntry",
     "AggregateMetricsReply",
+    "adopt_written_summary",
     "aggregate_metrics",
     "aggregate_run",
     "completion_rejection",
@@ -89,6 +90,7 @@ __all__ = [
     "raise_for_completion_rejection",
     "read_metrics_summary",
     "strip_for_aggregation",
+    "written_summary",
 ]
 
 #: Name of the metrics file inside a run folder.
@@ -487,9 +489,29 @@ async def aggregate_run(
     )  # fmt: skip
 
 
-#: The summary of the metrics file this process wrote last, under the file's (device, inode, size,
-#: mtime_ns): ``read_metrics_summary`` of that unchanged file returns it without reading the file again.
-_last_written: tuple[tuple[int, int, int, int], str] | None = None
+#: A metrics file's summary (its entries without the per-task lists, as JSON text) under the file's
+#: (device, inode, size, mtime_ns) when it was written.
+WrittenSummary = tuple[tuple[int, int, int, int], str]
+
+#: The summary of the metrics file this process wrote (or adopted) last: ``read_metrics_summary`` of that
+#: unchanged file returns it without reading the file again.
+_last_written: WrittenSummary | None = None
+
+
+def written_summary() -> WrittenSummary | None:
+    """The summary of the metrics file this process wrote last, or None; for :func:`adopt_written_summary`
+    in another process (a Ray run's caller takes what its host actor wrote)."""
+    return _last_written
+
+
+def adopt_written_summary(written: WrittenSummary | None) -> None:
+    """Take ``written`` (from :func:`written_summary` in the process that wrote the file) as this process's
+    own: :func:`read_metrics_summary` of that file returns it without reading the file, as long as the
+    file's device, inode, size and mtime are those noted when it was written (another node, where the
+    shared file system shows other numbers, or a file changed since, reads the file). None does nothing."""
+    global _last_written
+    if written is not None:
+        _last_written = written
 
 
 def _identity(path: Path) -> tuple[int, int, int, int]:

@@ -20,6 +20,7 @@ from gym_ray.config.run_config import resolve_run_config
 from gym_ray.distributed.api import acollect, plan_from_config, run_actors
 from gym_ray.errors import ValidationError
 from gym_ray.plan.first_pass import validate_ahead
+from gym_ray.record.aggregate import read_metrics_summary, written_summary
 from gym_ray.record.ledger import check_run
 from gym_ray.record.shard_files import list_shards, shard_paths
 from gym_ray.run.collect import acollect_local
@@ -114,6 +115,16 @@ async def test_four_workers_give_the_same_rollouts_as_one_process(
     summary = _read_json(dist.summary_path)
     assert summary["distributed"]["num_workers"] == 4
     assert summary["distributed"]["shards_reported"] == 15
+    # The caller holds the host's summary of the metrics file, so printing the headline reads no file.
+    written = written_summary()
+    assert written is not None
+    stat = os.stat(str(dist.metrics_path))
+    assert written[0] == (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    lists = ("group_level_metrics", "repeat_level_metrics")
+    entries = [
+        {k: v for k, v in entry.items() if k not in lists} for entry in _read_json(str(dist.metrics_path))
+    ]
+    assert json.loads(written[1]) == entries == read_metrics_summary(str(dist.metrics_path))
 
 
 def _recorded(run_dir: Path) -> set[tuple[int, int]]:
