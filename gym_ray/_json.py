@@ -7,11 +7,15 @@ it could differ, the caller falls back to ``json``, so no byte written and no va
 - **Encoding.** orjson writes floats that Python writes with an exponent (``1e-05``, ``1e+16``) in its own
   form, writes NaN and infinities as ``null``, and serializes a few types ``json`` refuses (it is told to
   pass dataclasses, datetimes and subclasses through, which it then refuses too; a plain ``enum.Enum``
-  member is the one thing it still writes where ``json`` raises). With digits mapped to ``0``, its text is
-  refused when it holds ``0e`` (an exponent), 17 zeros (a long number), ``0.0000`` (a small float) or
-  ``null``; everything else it writes exactly as ``json`` does (strings, escapes, key order, integers,
-  floats in positional form). It refuses integers past 64 bits, lone surrogates, non-string keys and
-  circular values: ``json`` then writes or raises.
+  member is the one thing it still writes where ``json`` raises). Its text is refused when a number in it
+  has an exponent, 17 or more integer digits or 4 or more fraction digits, or when it holds a ``null``
+  that is not a None; everything else it writes exactly as ``json`` does (strings, escapes, key order,
+  integers, floats in positional form). A cheap scan (digits mapped to ``0``: ``0e``, 17 zeros,
+  ``0.0000``) finds candidates anywhere in the text, strings included; only then does a regular
+  expression look at the numbers themselves (a token after ``:``, ``,``, ``[`` or a newline; indented,
+  also a space), so a string such as a hex id (``resp_6e6a...``) does not send a record to ``json``.
+  orjson refuses integers past 64 bits, lone surrogates, non-string keys and circular values: ``json``
+  then writes or raises.
 - **Decoding.** orjson accepts no text ``json.loads`` refuses, and reads the same values, except integers
   past 64 bits (it reads them as floats): text holding a run of 19 digits goes to ``json``. It refuses
   ``NaN`` / ``Infinity``, overflowing numbers, lone surrogates and invalid UTF-8, which ``json`` then reads
@@ -40,6 +44,34 @@ _PASSTHROUGH = (
     orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
 )
 _NINETEEN_DIGITS = b"0" * 19
+#: Bytes a number's text is made of once digits are mapped to ``0`` (the exponent aside).
+_NUMBER_BYTES = b"0.-"
+#: What may come right before a number in orjson's compact text: ``:``, ``,``, ``[``, or a newline between
+#: the lines of a block (a string cannot hold one unescaped). Indented text adds a space.
+_BEFORE_NUMBER = b":,[\n"
+_BEFORE_INDENTED_NUMBER = b":,[\n "
+
+
+def _unsure_number(marked: bytes, option: int = 0) -> bool:
+    """Whether orjson's text (``marked``: its digits mapped to ``0``; ``option`` as it was written) holds a
+    number ``json`` may write otherwise: an exponent, 17 or more integer digits, 4 or more fraction digits.
+
+    A mark of ``_UNSURE`` (but ``null``) found anywhere is a candidate; it is a number when the run of
+    ``0``, ``.`` and ``-`` it sits in starts the text or follows what may come before a number. A mark in
+    a string (a hex id such as ``resp_6e6a``) is not, unless the string itself holds something like
+    ``:1e5``: such a false alarm only costs a fallback to ``json``.
+    """
+    before = _BEFORE_INDENTED_NUMBER if option & orjson.OPT_INDENT_2 else _BEFORE_NUMBER
+    for mark in (b"0e", _UNSURE[1], b"0.0000"):
+        at = marked.find(mark)
+        while at != -1:
+            start = at
+            while start and marked[start - 1] in _NUMBER_BYTES:
+                start -= 1
+            if not start or marked[start - 1] in before:
+                return True
+            at = marked.find(mark, at + len(mark))
+    return False
 
 
 def orjson_text(value: Any, option: int = 0) -> bytes | None:
@@ -55,8 +87,7 @@ def orjson_text(value: Any, option: int = 0) -> bytes | None:
     except orjson.JSONEncodeError:
         return None
     marked = text.translate(_DIGITS_AS_ZERO)
-    # one test per mark of _UNSURE, spelled out: a generator over the tuple costs more than the tests
-    if b"0e" in marked or _UNSURE[1] in marked or b"0.0000" in marked:
+    if _unsure_number(marked, option):
         return None
     if b"null" in marked and not _nulls_are_none(text, value):
         return None
@@ -106,7 +137,7 @@ def dumps_compact_lines(values: Sequence[Any]) -> bytes:
     texts.append(b"")
     block = b"\n".join(texts)
     marked = block.translate(_DIGITS_AS_ZERO)
-    if b"0e" in marked or _UNSURE[1] in marked or b"0.0000" in marked or b"null" in marked:
+    if b"null" in marked or _unsure_number(marked):
         return b"".join([dumps_compact(value) + b"\n" for value in values])
     return block
 

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gym_ray._json import NOT_SURE, dumps_compact, loads, orjson_loads, orjson_text
+from gym_ray._json import NOT_SURE, dumps_compact, dumps_compact_lines, loads, orjson_loads, orjson_text
 
 
 class Colour(enum.IntEnum):
@@ -224,3 +224,42 @@ def test_a_record_whose_nulls_are_all_none_keeps_orjson_s_bytes() -> None:
     assert orjson_text(record) == expected  # the fast path, not None: nulls that are None are safe
     assert orjson_text((None, 1)) is None  # a tuple reads back as a list: not equal, so json decides
     assert dumps_compact((None, 1)) == b"[null,1]"
+
+
+def test_a_record_with_hex_ids_and_number_like_text_keeps_orjson_s_bytes() -> None:
+    # Response ids are hex ("6e6a" looks like an exponent once digits are masked) and texts hold numbers:
+    # only numbers themselves decide, so such a record stays on orjson (it went to json before).
+    record = {
+        "response": {"id": "resp_b3737001566e6a4c16f5a5ca", "created_at": 1796195114.0, "error": None},
+        "text": "What is 0 + 3? 1e5, 12.34567 and 123456789012345678",
+        "reward": 1.0,
+    }
+    expected = _json_compact(record)
+    assert orjson_text(record) == expected
+    assert dumps_compact_lines([record, record]) == expected + b"\n" + expected + b"\n"
+    for unsure in (1e-05, 1e16, 0.12345, 12345678901234567, -1.5e300):
+        with_number = {**record, "reward": unsure}
+        assert orjson_text(with_number) is None, unsure  # a number of its own: json writes it
+        assert dumps_compact(with_number) == _json_compact(with_number)
+
+
+def test_random_records_of_number_like_strings_and_floats_encode_exactly_as_json() -> None:
+    # Strings made of the characters around numbers (":1e5", ",0.00001", "[12345678901234567") next to
+    # floats of every magnitude: one record, one block of lines, and the indented form are json's bytes.
+    rng = random.Random(20261202)
+    alphabet = "0123456789eE.-+:,[ \nab"
+    fast = 0
+    for _ in range(4000):
+        record: dict[str, Any] = {
+            "s": "".join(rng.choice(alphabet) for _ in range(rng.randrange(20))),
+            "x": rng.choice([_random_float(rng), rng.randint(-(10**18), 10**18), 1.5, 7]),
+            "l": [rng.choice([_random_float(rng), "".join(rng.choice(alphabet) for _ in range(6))])],
+        }
+        expected = _json_compact(record)
+        assert dumps_compact(record) == expected, record
+        assert dumps_compact_lines([record, {"k": 1}]) == expected + b'\n{"k":1}\n', record
+        indented = orjson_text(record, orjson.OPT_INDENT_2)
+        if indented is not None:
+            assert indented == json.dumps(record, indent=2, ensure_ascii=False).encode("utf-8"), record
+        fast += orjson_text(record) is not None
+    assert fast > 400  # records whose numbers are plain take the fast path whatever their strings hold
