@@ -327,7 +327,7 @@ async def run_actors(
             num_workers=num_workers, wall_s=time.monotonic() - started
         )
         finished = True
-        from gym_ray.record.aggregate import adopt_written_summary
+        from gym_ray.record.metrics_summary import adopt_written_summary
 
         # The caller prints the headline from the host's summary, not from a second read of the metrics
         # file; if the host cannot say (it just died), the file is read.

@@ -38,7 +38,7 @@ from gym_ray.distributed.driver import (
 if TYPE_CHECKING:
     from gym_ray.config.run_config import RunConfig
     from gym_ray.dispatch.client import ServerClient
-    from gym_ray.record.aggregate import WrittenSummary
+    from gym_ray.record.metrics_summary import WrittenSummary
     from gym_ray.run.collect import ShardSpec
     from gym_ray.run.result import RunResult, ShardReport
 
@@ -155,7 +155,7 @@ class RunHost:
         """The summary of the metrics file this process wrote last (after :meth:`finalize`: the run's), so
         the caller can print the run's headline without reading the file (see
         :func:`gym_ray.record.aggregate.adopt_written_summary`)."""
-        from gym_ray.record.aggregate import written_summary
+        from gym_ray.record.metrics_summary import written_summary
 
         return written_summary()
 

@@ -71,7 +71,11 @@ from gym_ray.record._aggregate_spool import (
     write_metrics_atomic,
 )
 from gym_ray.record._aggregate_spool import strip_for_aggregation as strip_for_aggregation
-from gym_ray.record.json_stream import iter_array_of_objects
+from gym_ray.record.metrics_summary import (
+    forget_written_summary,
+    note_written_summary,
+)
+from gym_ray.record.metrics_summary import read_metrics_summary as read_metrics_summary
 
 if TYPE_CHECKING:
     from gym_ray.config.topology import Topology
@@ -81,7 +85,6 @@ __all__ = [
     "AGGREGATE_FILE_NAME",
     "AggregateEntry",
     "AggregateMetricsReply",
-    "adopt_written_summary",
     "aggregate_metrics",
     "aggregate_run",
     "completion_rejection",
@@ -90,7 +93,6 @@ __all__ = [
     "raise_for_completion_rejection",
     "read_metrics_summary",
     "strip_for_aggregation",
-    "written_summary",
 ]
 
 #: Name of the metrics file inside a run folder.
@@ -365,44 +367,6 @@ async def _aggregate(
     return path
 
 
-def read_metrics_summary(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The entries of a metrics file without their per-task lists, read as a stream.
-
-    Each entry is returned as the file holds it, minus ``group_level_metrics`` and
-    ``repeat_level_metrics`` (one element per task or repeat: read and dropped element by element), so
-    memory does not grow with the number of tasks. Load the file with ``json.load`` for the lists. The
-    file this process wrote last, unchanged since (same device, inode, size and mtime), is not read again.
-
-    Raises:
-        InputError: the file cannot be read or is not a JSON list of objects (names the file).
-    """
-    file = Path(path)
-    written = _last_written
-    try:
-        if written is not None and written[0] == _identity(file):
-            loaded: list[dict[str, Any]] = json.loads(written[1])
-            return loaded
-        entries = list(
-            iter_array_of_objects(
-                file,
-                skipped=frozenset(STREAMED_REPLY_KEYS),
-                what=f"the metrics file {file} holds text",
-                hint="run `gym-ray aggregate RUN_DIR CONFIG` to write it again",
-            )
-        )
-    except OSError as exc:
-        raise InputError(
-            f"cannot read the metrics file {file}: {exc}; run `gym-ray aggregate` to write it again",
-            path=str(file),
-        ) from exc
-    except ServerResponseError as exc:
-        raise InputError(str(exc), path=str(file)) from exc
-    for entry in entries:
-        for key in STREAMED_REPLY_KEYS:
-            entry.pop(key, None)
-    return entries
-
-
 def _read_entries(path_or_entries: str | os.PathLike[str] | Iterable[Any]) -> list[AggregateEntry]:
     source: Any = path_or_entries
     if isinstance(path_or_entries, str | os.PathLike):
@@ -489,43 +453,12 @@ async def aggregate_run(
     )  # fmt: skip
 
 
-#: A metrics file's summary (its entries without the per-task lists, as JSON text) under the file's
-#: (device, inode, size, mtime_ns) when it was written.
-WrittenSummary = tuple[tuple[int, int, int, int], str]
-
-#: The summary of the metrics file this process wrote (or adopted) last: ``read_metrics_summary`` of that
-#: unchanged file returns it without reading the file again.
-_last_written: WrittenSummary | None = None
-
-
-def written_summary() -> WrittenSummary | None:
-    """The summary of the metrics file this process wrote last, or None; for :func:`adopt_written_summary`
-    in another process (a Ray run's caller takes what its host actor wrote)."""
-    return _last_written
-
-
-def adopt_written_summary(written: WrittenSummary | None) -> None:
-    """Take ``written`` (from :func:`written_summary` in the process that wrote the file) as this process's
-    own: :func:`read_metrics_summary` of that file returns it without reading the file, as long as the
-    file's device, inode, size and mtime are those noted when it was written (another node, where the
-    shared file system shows other numbers, or a file changed since, reads the file). None does nothing."""
-    global _last_written
-    if written is not None:
-        _last_written = written
-
-
-def _identity(path: Path) -> tuple[int, int, int, int]:
-    stat = path.stat()
-    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-
 def _atomic_write_json(path: Path, entries: list[dict[str, Any]], stop: threading.Event) -> None:
-    global _last_written
     summary = [{k: v for k, v in e.items() if k not in STREAMED_REPLY_KEYS} for e in entries]
-    _last_written = None
+    forget_written_summary()
     try:
         write_metrics_atomic(path, entries, stop)
-        _last_written = (_identity(path), json.dumps(summary, allow_nan=False))
+        note_written_summary(path, json.dumps(summary, allow_nan=False))
     except OSError as exc:
         raise RecordError(
             f"cannot write the metrics file {path}: {exc}; free space or fix permissions, then run "

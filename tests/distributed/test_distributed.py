@@ -20,8 +20,8 @@ from gym_ray.config.run_config import resolve_run_config
 from gym_ray.distributed.api import acollect, plan_from_config, run_actors
 from gym_ray.errors import ValidationError
 from gym_ray.plan.first_pass import validate_ahead
-from gym_ray.record.aggregate import read_metrics_summary, written_summary
 from gym_ray.record.ledger import check_run
+from gym_ray.record.metrics_summary import read_metrics_summary, written_summary
 from gym_ray.record.shard_files import list_shards, shard_paths
 from gym_ray.run.collect import acollect_local
 from gym_ray.servers import ThreadedDeployment, bundled_dataset_path, load_bundled_config, start_in_thread
