@@ -20,6 +20,7 @@ from gym_ray.distributed.api import acollect, plan_from_config, run_actors
 from gym_ray.observe.tracing import JOB_SPAN, ROLLOUT_SPAN, setup_tracing_from_config, shutdown_tracing
 from gym_ray.servers import ThreadedDeployment, bundled_dataset_path, load_bundled_config, start_in_thread
 from tests.distributed.module_notes import finalize_noting_modules, shard_noting_modules
+from tests.summaries import workers_that_dispatched
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
@@ -83,7 +84,9 @@ async def test_rollout_spans_from_several_workers_link_to_the_job_span(
     assert all(s["links"] == job_link for s in rollouts)
     assert len({s["trace_id"] for s in rollouts}) == 40  # each rollout is its own trace
     worker_pids = {s["pid"] for s in rollouts}
-    assert len(worker_pids) == 2
+    # One process per worker that sent rollouts (usually both; on a loaded machine one worker can take
+    # every shard before the other has started: the hand-out is pull-based), never the caller's.
+    assert len(worker_pids) == len(workers_that_dispatched(result.summary_path)) >= 1
     assert os.getpid() not in worker_pids
     assert result.succeeded == 40
 

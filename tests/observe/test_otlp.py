@@ -21,6 +21,7 @@ from gym_ray import keys
 from gym_ray.distributed.api import acollect
 from gym_ray.observe.tracing import JOB_SPAN, ROLLOUT_SPAN, shutdown_tracing
 from gym_ray.servers import bundled_dataset_path, load_bundled_config, start_in_thread
+from tests.summaries import workers_that_dispatched
 
 trace_pb2 = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 metrics_pb2 = pytest.importorskip("opentelemetry.proto.collector.metrics.v1.metrics_service_pb2")
@@ -194,7 +195,9 @@ async def test_otlp_receives_every_span_and_metric_of_a_two_worker_run(
     (job,) = jobs
     assert job.attributes["gym_ray.run_id"] == result.run_id
     worker_pids = {s.pid for s in rollouts}
-    assert len(worker_pids) == 2
+    # One process per worker that sent rollouts (usually both; on a loaded machine one worker can take
+    # every shard before the other has started: the hand-out is pull-based), never the caller's.
+    assert len(worker_pids) == len(workers_that_dispatched(result.summary_path))
     assert job.pid not in worker_pids
     assert {s.pid for s in clients} == worker_pids
     rollout_by_trace = {s.trace_id: s for s in rollouts}
