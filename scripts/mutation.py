@@ -63,7 +63,7 @@ MODULES: dict[str, tuple[str, ...]] = {
         # and random runs check too
         "-tests/record/test_merge.py::test_merge_classifies_mutated_lines_like_the_jsonl_reader",
         # spawn-pool tests (15 s each under mutmut: every pool process imports the mutated package); the
-        # pool-only branches they cover are triaged by hand in README's mutation section
+        # pool-only branches they cover are triaged by hand in docs/mutation.md
         "-tests/record/test_merge.py::test_process_pool_writes_the_same_bytes_and_counts_as_in_process",
         "-tests/record/test_merge.py::test_error_in_a_pool_process_surfaces_like_in_process",
     ),
