@@ -1,13 +1,15 @@
 """Benchmark: merging a run's shards (``gym_ray.record.merge.merge_shards``) -- throughput and peak memory.
 
-``gym-ray bench merge``: writes ``shards`` shard success files holding ``rows`` realistic records
-(~300 bytes each: a short prompt, a response summary, reward and the identity keys collection writes),
-each shard a contiguous block of tasks (4 rollouts per task) in *shuffled* order, as concurrent rollouts
-finish. Then a fresh child process (``python -m gym_ray.bench.merge_bench --child DIR``) merges them and
-reports its own peak resident set size, so generating the input does not pollute the figure. On Linux the
-peak is the child's ``VmHWM`` (``/proc/self/status``): ``ru_maxrss`` is not used there because Linux
-carries it across ``fork`` + ``exec``, so a child's ``RUSAGE_SELF`` / the parent's ``RUSAGE_CHILDREN``
-would report at least the parent's size at fork time (the generator's). Elsewhere ``ru_maxrss`` is used.
+``gym-ray bench merge``: writes ``shards`` shard success files holding ``rows`` realistic records (~300 bytes
+each: a short prompt, a response summary, reward and the identity keys collection writes), each shard a
+contiguous block of tasks (4 rollouts per task) in *shuffled* order, as concurrent rollouts finish, through
+the shard writer collection uses (:class:`~gym_ray.record.writer.ShardWriter`, default ``fsync_every``), so
+each file has the writer's line index beside it. Then a fresh child process (``python -m
+gym_ray.bench.merge_bench --child DIR``) merges them and reports its own peak resident set size, so generating
+the input does not pollute the figure. On Linux the peak is the child's ``VmHWM`` (``/proc/self/status``):
+``ru_maxrss`` is not used there because Linux carries it across ``fork`` + ``exec``, so a child's
+``RUSAGE_SELF`` / the parent's ``RUSAGE_CHILDREN`` would report at least the parent's size at fork time (the
+generator's). Elsewhere ``ru_maxrss`` is used.
 
 Targets (issue 5): >= 200k lines/s; peak RSS < 200 MB (memory bounded by one shard, not the run). Issue 17:
 >= 500k lines/s for 1M lines.
@@ -60,6 +62,8 @@ def write_shards(run_dir: Path, rows: int, shards: int, *, seed: int = 0) -> dic
     Returns:
         ``{"rows", "shards", "bytes"}`` as written.
     """
+    from gym_ray.record.writer import ShardWriter
+
     rng = random.Random(seed)
     tasks = -(-rows // ROLLOUTS_PER_TASK)
     per_shard = -(-tasks // shards)
@@ -73,12 +77,11 @@ def write_shards(run_dir: Path, rows: int, shards: int, *, seed: int = 0) -> dic
             if task * ROLLOUTS_PER_TASK + rollout < rows
         ]
         rng.shuffle(identities)
-        data = "".join(
-            json.dumps(_record(task, rollout), separators=(",", ":")) + "\n" for task, rollout in identities
-        ).encode()
-        (run_dir / f"rollouts-{index:05d}.jsonl").write_bytes(data)
+        with ShardWriter(run_dir, f"{index:05d}", run_id="merge-bench", config_identity=None) as writer:
+            for task, rollout in identities:
+                writer.append(_record(task, rollout))
         written += len(identities)
-        total_bytes += len(data)
+        total_bytes += writer.paths.successes.stat().st_size
     return {"rows": written, "shards": shards, "bytes": total_bytes}
 
 

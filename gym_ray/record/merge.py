@@ -13,7 +13,11 @@ Order and deduplication (the merged files are what users consume, so each identi
   are left out. Corrupt lines and torn tails are skipped and counted.
 
 Each merged line is the shard's line byte for byte (plus ``\n`` when a last line had lost it); records
-are parsed only to check them and to read their top-level keys, never re-encoded.
+are parsed only to check them and to read their top-level keys, never re-encoded. A line the shard writer's
+line index covers (:mod:`gym_ray.record.line_index`: its bytes and its entry verified together by CRC) is
+not parsed: its keys and flags come from the index, the same values parsing gives. Any line the index does
+not cover with a verified entry (no index, a shard from an older gym_ray, a torn or stale or lying index)
+is parsed, so the output bytes and counts do not depend on the index.
 
 Memory is bounded by one shard (a unit of work), not by the run. Two ways, same bytes and counts:
 

@@ -8,6 +8,8 @@ Files of shard ``<s>`` in ``<run_dir>``::
     rollouts-<s>.manifest.json              :class:`ShardManifest`, replaced atomically
     rollouts-<s>.progress.json              :class:`ShardProgress`, replaced atomically
     rollouts-<s>.lock                       never unlinked or replaced; holds the last opener's token
+    rollouts-<s>.jsonl.idx, rollouts-<s>_failures.jsonl.idx
+                                            line indexes for the merge (:mod:`gym_ray.record.line_index`)
 
 Durability and concurrency promises:
 
@@ -31,6 +33,10 @@ Durability and concurrency promises:
   tail, which the next :meth:`~ShardWriter.open` repairs (see :mod:`gym_ray.record.jsonl`); corrupt lines
   anywhere else are moved to a quarantine file by the same open (:mod:`gym_ray.record.quarantine`), so
   their rollouts count as missing and run again.
+- **Line index.** Beside each record file the writer appends an index batch at each checkpoint (under the
+  lock, after the lines it covers, fsynced with them), so the merge can key lines without parsing them.
+  The merge verifies every batch against the lines by CRC and parses whatever is not covered, so the
+  index never decides what a line holds. The open's repairs drop the batches they make stale.
 - **Fail, never retry.** A failed write or fsync raises :class:`~gym_ray.errors.ShardIOError` and fails
   the shard: later appends raise too and no fsync is attempted again (after a failed fsync the kernel may
   have dropped the dirty pages). Resume with a new writer once the cause is fixed.
@@ -60,6 +66,7 @@ from gym_ray import keys
 from gym_ray.errors import ConfigError, ShardIOError, ShardLockError, UsageError
 from gym_ray.record.atomic import atomic_write_bytes, atomic_writer, fsync_dir
 from gym_ray.record.jsonl import JsonlReader, encode_line, repair_torn_tail
+from gym_ray.record.line_index import IndexBatch, index_path, trim_index
 from gym_ray.record.manifest import ShardManifest, ShardProgress
 from gym_ray.record.quarantine import quarantine_corrupt_lines
 from gym_ray.record.shard_files import (
@@ -70,6 +77,8 @@ from gym_ray.record.shard_files import (
 )
 
 __all__ = ["ShardWriter"]
+
+_APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
 
 
 class ShardWriter:
@@ -130,6 +139,7 @@ class ShardWriter:
         self._wrote = False  # any write of this writer's own since open (not only inherited unsynced lines)
         self._token = b""
         self._fds: dict[Path, int] = {}
+        self._batches: dict[Path, IndexBatch] = {}  # record file -> its pending index batch
         self._dirty: set[Path] = set()
         self._since_sync = 0
         self._planned: int | None = None
@@ -163,11 +173,11 @@ class ShardWriter:
             with self._lock.held():
                 self._lock.write_token(self._token)
                 for path in (self.paths.successes, self.paths.failures):
-                    self._repair(path)
-                    self._fds[path] = os.open(
-                        path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
-                    )
+                    trim_index(path, rewritten=self._repair(path))
+                    fd = self._fds[path] = os.open(path, _APPEND_FLAGS, 0o644)
                     self._dirty.add(path)  # an older writer's unsynced lines: ours to make durable now
+                    self._fds[index_path(path)] = os.open(index_path(path), _APPEND_FLAGS, 0o644)
+                    self._batches[path] = IndexBatch(os.fstat(fd).st_size)
                 fsync_dir(self.paths.run_dir)
                 self._seed_counts()
         except OSError as exc:
@@ -201,7 +211,7 @@ class ShardWriter:
             if self._state == "open" and self._dirty:
                 try:
                     with self._owned("fsync"):
-                        pass
+                        self._write_index()
                 except ShardLockError:
                     if self._wrote:
                         raise
@@ -240,11 +250,15 @@ class ShardWriter:
             return None
         path = self.paths.failures if omitted or failure_class is not None else self.paths.successes
         line = self._encode(record)
+        due = self._since_sync + 1 >= self.fsync_every
         with self._owned("append to"):
             self._write_all(path, line)
+            self._batches[path].note(line, record)
+            if due:
+                self._write_index()
         self._count(record, omitted=omitted, failure_class=failure_class)
         self._since_sync += 1
-        if self._since_sync >= self.fsync_every:
+        if due:
             self._sync()
         return path
 
@@ -258,7 +272,7 @@ class ShardWriter:
         """
         self._require_open()
         with self._owned("fsync"):
-            pass
+            self._write_index()
         self._sync()
 
     def write_materialized_inputs(self, rows: Iterable[dict[str, Any]]) -> str:
@@ -419,6 +433,13 @@ class ShardWriter:
         finally:
             self._dirty.add(path)
 
+    def _write_index(self) -> None:
+        """Append each record file's pending index batch to its index (call holding the lock)."""
+        for path, batch in self._batches.items():
+            data = batch.take()
+            if data:
+                self._write_all(index_path(path), data)
+
     def _sync(self) -> None:
         for path in sorted(self._dirty):
             try:
@@ -444,17 +465,19 @@ class ShardWriter:
             "not retried. Fix the cause (free space, disk errors), then resume the shard with a new writer"
         )
 
-    def _repair(self, path: Path) -> None:
+    def _repair(self, path: Path) -> bool:
+        """Repair ``path``'s torn tail and quarantine its corrupt lines; True when lines were moved out of
+        its middle (every later offset may have changed)."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
-            return
+            return True
         try:
             repair_torn_tail(fd, label=str(path))
         finally:
             os.close(fd)
         # Corrupt lines mid-file: moved to <file>.quarantine so the ledger clears and resume reruns them.
-        quarantine_corrupt_lines(path)
+        return quarantine_corrupt_lines(path) > 0
 
     def _seed_counts(self) -> None:
         for _, record in JsonlReader(self.paths.successes):
@@ -483,6 +506,7 @@ class ShardWriter:
     def _close_fds(self) -> None:
         fds = list(self._fds.values())
         self._fds.clear()
+        self._batches.clear()
         self._dirty.clear()
         for fd in fds:
             with contextlib.suppress(OSError):

@@ -156,26 +156,6 @@ def test_indices_outside_int64_take_the_per_entry_way(
     assert got == expected
 
 
-def test_a_shard_that_grew_while_read_takes_the_per_entry_way(tmp_path: Path) -> None:
-    """The key layout is sized by the files' bytes before reading; a file that grew past it is read again."""
-    write_lines(tmp_path, "rollouts-a.jsonl", [b'{"_ng_task_index":1,"_ng_rollout_index":0}\n'])
-    more = b"".join(b'{"_ng_task_index":%d,"_ng_rollout_index":0}\n' % t for t in range(200, 0, -1))
-    real_size = Path.stat
-
-    def stat_then_grow(self: Path, **kwargs: Any) -> os.stat_result:
-        if self.name == "rollouts-a_failures.jsonl":  # asked after the successes file: grow it now
-            with open(tmp_path / "rollouts-a.jsonl", "ab") as handle:
-                handle.write(more)
-        return real_size(self, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Path, "stat", stat_then_grow)
-        assert _read_packed(tmp_path, "a") is None
-    reduced = reduce_shard(tmp_path, "a", 0, tmp_path)
-    assert reduced.tally.successes == 200  # task 1 twice: one duplicate
-    assert reduced.tally.duplicate_successes == 1
-
-
 def _copy_case(tmp_path: Path) -> tuple[list[Path], bytes]:
     rng = random.Random(5)
     parts = []

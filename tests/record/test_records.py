@@ -68,9 +68,11 @@ def test_files_are_named_per_protocol_and_discovered(tmp_path: Path) -> None:
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [
         "rollouts-shard-7.a.jsonl",
+        "rollouts-shard-7.a.jsonl.idx",  # the line indexes, for the merge (gym_ray.record.line_index)
         "rollouts-shard-7.a.lock",
         "rollouts-shard-7.a.progress.json",
         "rollouts-shard-7.a_failures.jsonl",
+        "rollouts-shard-7.a_failures.jsonl.idx",
         "rollouts-shard-7.a_materialized_inputs.jsonl",
     ]
     (tmp_path / "rollouts.jsonl").write_text("")
