@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gym_ray import keys
 from gym_ray.bench.merge_bench import ROLLOUTS_PER_TASK, run_merge_bench, write_shards
+from gym_ray.record.line_index import index_blocks
 
 
 def test_shards_are_blocks_of_tasks_in_shuffled_order(tmp_path: Path) -> None:
@@ -21,6 +22,10 @@ def test_shards_are_blocks_of_tasks_in_shuffled_order(tmp_path: Path) -> None:
     assert sorted(identities[0]) == [(t, r) for t in (0, 1) for r in range(4)]
     assert sorted(identities[1]) == [(2, 0), (2, 1)]
     assert written["bytes"] == sum(p.stat().st_size for p in tmp_path.glob("rollouts-*.jsonl"))
+    # written by the shard writer: every line is covered by a verified batch of its line index
+    for shard, count in (("00000", 8), ("00001", 2)):
+        blocks = list(index_blocks(tmp_path / f"rollouts-{shard}.jsonl"))
+        assert [None if block.lines is None else len(block.lines) for block in blocks] == [count]
 
 
 def test_bench_reports_the_merging_and_the_sorting_processes_cpu() -> None:
