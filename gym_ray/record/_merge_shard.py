@@ -222,14 +222,14 @@ _LOW64 = (1 << 64) - 1
 _SEQ_BITS = 64
 
 
-def _read_packed(base: Path, shard: str, *, use_index: bool = True) -> _Packed | None:
+def _read_packed(base: Path, shard: str) -> _Packed | None:
     """Read, check and key one shard's lines like :func:`read_shard`, or None when an index is outside
     ``[-2**63, 2**63)``.
 
     Lines in a batch of the writer's line index that verifies (:func:`~gym_ray.record.line_index.
     index_blocks`) take their keys and flags from the index, unparsed, a whole batch at a time (``map``
     over its columns, no per-line Python); every other line is parsed, its verdict :func:`read_shard`'s,
-    statement for statement. ``use_index=False`` parses every line (the same keys, lines and counts).
+    statement for statement.
 
     Raises:
         InputError: A record has no integer task/rollout index (names file and line).
@@ -251,7 +251,7 @@ def _read_packed(base: Path, shard: str, *, use_index: bool = True) -> _Packed |
         key_list = failure_keys if is_failure else success_keys
         add_key = key_list.append
         line_no = 0
-        for data, covered, line_keys, flags in index_blocks(path, use_index=use_index):
+        for data, covered, line_keys, flags in index_blocks(path):
             if covered is not None:  # a verified batch of the index: every line a record, keyed
                 lines = len(covered)
                 raws.extend(covered)

@@ -1,8 +1,8 @@
 """The line index: a side file the shard writer keeps beside each record file, so the merge can key lines
 without parsing them. An accelerator, never a source of truth.
 
-``rollouts-<s>.jsonl.idx`` (and ``rollouts-<s>_failures.jsonl.idx``) is a run of *batches*, one per
-checkpoint of the writer. A batch covers a contiguous byte range of its record file, whole lines only:
+``rollouts-<s>.jsonl.idx`` (and ``rollouts-<s>_failures.jsonl.idx``) is a run of *batches*, written at
+the writer's checkpoints. A batch covers a contiguous byte range of its record file, whole lines only:
 
 - a header (:data:`_HEADER`): magic ``GRX1``, the range's offset and length in the record file, its number
   of lines, and a CRC-32 of the header's other fields, the columns and the covered record bytes;
@@ -25,12 +25,14 @@ exactly its number of lines (a line the writer encodes holds one newline, its la
 then a covered block. Every other byte range is a block of lines to parse. The first batch that does not
 verify ends the use of the index for that file: the rest is parsed. So a missing, short, torn, stale
 (after a repair or a rewrite) or lying index costs parsing, never a line: a line is keyed from the index
-only when its bytes and its entry are, by CRC, the ones the writer wrote together.
+only when its bytes and its entry are, by CRC, the ones the writer wrote together. (CRC-32 catches damage:
+every error burst up to 32 bits, and a random change but for a 2**-32 chance. It is no signature: an
+index rewritten on purpose with a recomputed CRC is believed.)
 
 Writing (:class:`IndexBatch`): the writer notes each appended line and writes the pending batch with one
-``os.write`` to an ``O_APPEND`` descriptor at each checkpoint, under the shard lock, after the data it
-covers. When the writer's open repairs a record file (torn tail, quarantine), :func:`trim_index` drops the
-batches the repair made stale.
+``os.write`` to an ``O_APPEND`` descriptor at checkpoints (see :mod:`gym_ray.record.writer`), under the
+shard lock, after the data it covers. When the writer's open repairs a record file (torn tail,
+quarantine), :func:`trim_index` drops the batches the repair made stale.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def index_path(path: str | os.PathLike[str]) -> Path:
 
 
 class IndexBatch:
-    """The pending batch of one record file: lines appended since the last checkpoint.
+    """The pending batch of one record file: lines appended since the last checkpoint (``pending`` counts
+    them).
 
     Args:
         offset: Where the next line appended to the record file starts (its size after the writer's open).
@@ -96,9 +99,11 @@ class IndexBatch:
         self._keys: list[bytes] = []
         self._flags = bytearray()
         self._done: list[bytes] = []  # finished batches not yet written
+        self.pending = 0  # lines noted since the last take
 
     def note(self, line: bytes, record: dict[str, Any]) -> None:
         """Note ``line`` (a whole line with its newline, ``record`` encoded), just appended at the end."""
+        self.pending += 1
         facts = _facts(record)
         if facts is None:
             self._finish()
@@ -115,6 +120,7 @@ class IndexBatch:
         self._finish()
         data = b"".join(self._done)
         self._done.clear()
+        self.pending = 0
         return data
 
     def _finish(self) -> None:
@@ -178,15 +184,11 @@ def _batches(index: bytes) -> Iterator[_Batch]:
         pos = stop
 
 
-def index_blocks(path: str | os.PathLike[str], *, use_index: bool = True) -> Iterator[Block]:
+def index_blocks(path: str | os.PathLike[str]) -> Iterator[Block]:
     """The blocks of record file ``path`` in file order (see the module docstring); nothing if missing.
 
     Only the bytes the file has when reading starts are read. Lines not covered by a verified batch come
     in blocks of about 1 MiB that end at a line boundary (or at the end of the file).
-
-    Args:
-        path: The record file.
-        use_index: False reads every line as a block to parse (the index is not opened).
     """
     try:
         fd = os.open(os.fspath(path), os.O_RDONLY | os.O_CLOEXEC)
@@ -196,20 +198,18 @@ def index_blocks(path: str | os.PathLike[str], *, use_index: bool = True) -> Ite
         st = os.fstat(fd)
         size = st.st_size if stat.S_ISREG(st.st_mode) else 0
         pos = 0
-        if use_index:
-            for batch in _batches(_read_index(path)):
-                start, end = batch.offset, batch.offset + batch.length
-                if start < pos or end > size or batch.length == 0:
-                    break
-                if start > pos and os.pread(fd, 1, start - 1) != b"\n":
-                    break
-                data = os.pread(fd, batch.length, start)
-                block = _verified(batch, data)
-                if block is None:
-                    break
-                yield from _line_blocks(fd, pos, start)
-                yield block
-                pos = end
+        for batch in _batches(_read_index(path)):
+            start, end = batch.offset, batch.offset + batch.length
+            if start < pos or end > size or batch.length == 0:
+                break
+            if start > pos and os.pread(fd, 1, start - 1) != b"\n":
+                break
+            block = _verified(batch, os.pread(fd, batch.length, start))
+            if block is None:
+                break
+            yield from _line_blocks(fd, pos, start)
+            yield block
+            pos = end
         yield from _line_blocks(fd, pos, size)
     finally:
         os.close(fd)

@@ -33,8 +33,10 @@ Durability and concurrency promises:
   tail, which the next :meth:`~ShardWriter.open` repairs (see :mod:`gym_ray.record.jsonl`); corrupt lines
   anywhere else are moved to a quarantine file by the same open (:mod:`gym_ray.record.quarantine`), so
   their rollouts count as missing and run again.
-- **Line index.** Beside each record file the writer appends an index batch at each checkpoint (under the
-  lock, after the lines it covers, fsynced with them), so the merge can key lines without parsing them.
+- **Line index.** Beside each record file the writer appends an index batch at checkpoints (under the
+  lock, after the lines it covers, fsynced with them; a sync that ``fsync_every`` triggers writes a file's
+  batch once it holds 64 lines, :meth:`~ShardWriter.checkpoint` and :meth:`~ShardWriter.close` write any),
+  so the merge can key lines without parsing them.
   The merge verifies every batch against the lines by CRC and parses whatever is not covered, so the
   index never decides what a line holds. The open's repairs drop the batches they make stale.
 - **Fail, never retry.** A failed write or fsync raises :class:`~gym_ray.errors.ShardIOError` and fails
@@ -79,6 +81,9 @@ from gym_ray.record.shard_files import (
 __all__ = ["ShardWriter"]
 
 _APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+#: Fewest lines of a record file whose index batch an append-driven sync writes; checkpoint() and close()
+#: write any pending batch.
+_INDEX_MIN_LINES = 64
 
 
 class ShardWriter:
@@ -208,7 +213,7 @@ class ShardWriter:
             self._state = "closed"
             return
         try:
-            if self._state == "open" and self._dirty:
+            if self._state == "open" and (self._dirty or any(b.pending for b in self._batches.values())):
                 try:
                     with self._owned("fsync"):
                         self._write_index()
@@ -255,7 +260,7 @@ class ShardWriter:
             self._write_all(path, line)
             self._batches[path].note(line, record)
             if due:
-                self._write_index()
+                self._write_index(_INDEX_MIN_LINES)
         self._count(record, omitted=omitted, failure_class=failure_class)
         self._since_sync += 1
         if due:
@@ -433,9 +438,13 @@ class ShardWriter:
         finally:
             self._dirty.add(path)
 
-    def _write_index(self) -> None:
-        """Append each record file's pending index batch to its index (call holding the lock)."""
+    def _write_index(self, min_lines: int = 1) -> None:
+        """Append each record file's pending index batch of at least ``min_lines`` lines to its index (call
+        holding the lock). A smaller batch waits for a later checkpoint: with a small ``fsync_every`` the
+        index is written (and fsynced) every ``_INDEX_MIN_LINES`` records, not on every sync."""
         for path, batch in self._batches.items():
+            if batch.pending < min_lines:
+                continue
             data = batch.take()
             if data:
                 self._write_all(index_path(path), data)

@@ -57,17 +57,15 @@ def _covered(path: Path) -> int:
     return sum(len(block.lines) for block in index_blocks(path) if block.lines is not None)
 
 
-def _write(run_dir: Path, shard: str, records: list[dict[str, Any]], *, fsync_every: int = 3) -> None:
+def _write(run_dir: Path, shard: str, records: list[dict[str, Any]], *, batch: int = 3) -> None:
+    """Append ``records`` through the writer, with a checkpoint (an index batch) every ``batch`` records."""
     with ShardWriter(
-        run_dir,
-        shard,
-        run_id="r",
-        config_identity=None,
-        fsync_every=fsync_every,
-        record_omitted_rollouts=True,
+        run_dir, shard, run_id="r", config_identity=None, record_omitted_rollouts=True
     ) as writer:
-        for record in records:
+        for number, record in enumerate(records, start=1):
             writer.append(record)
+            if number % batch == 0:
+                writer.checkpoint()
 
 
 def _varied(rng: random.Random, label: str, tasks: list[int]) -> list[dict[str, Any]]:
@@ -110,7 +108,7 @@ def test_the_index_changes_no_byte_and_no_count(tmp_path: Path, seed: int) -> No
     shared = rng.random() < 0.5  # shards sharing identities take the merge's general way
     for number in range(3):
         tasks = [0, 1, 2, -5, 2**63 - 1] if shared else [10 * number + t for t in range(3)]
-        _write(run_dir, f"s{number}", _varied(rng, f"s{number}", tasks), fsync_every=rng.choice([1, 3, 256]))
+        _write(run_dir, f"s{number}", _varied(rng, f"s{number}", tasks), batch=rng.choice([1, 3, 256]))
     _assert_same_as_parsing(run_dir, tmp_path)
     assert sum(_covered(shard_paths(run_dir, f"s{n}").successes) for n in range(3)) > 0
 
@@ -186,7 +184,7 @@ def _lying_cases() -> list[str]:
 def test_an_index_that_lies_gives_the_result_of_parsing(tmp_path: Path, case: str) -> None:
     run_dir = tmp_path / "run"
     records = [rec(t, r, note="n" * t) for t in range(6, 0, -1) for r in range(2)] + [fail(20, 0, 1)]
-    _write(run_dir, "a", records, fsync_every=4)
+    _write(run_dir, "a", records, batch=4)
     path = shard_paths(run_dir, "a").successes
     data = path.read_bytes()
     index = index_path(path).read_bytes()
@@ -240,7 +238,7 @@ def test_an_index_that_lies_gives_the_result_of_parsing(tmp_path: Path, case: st
 
 def test_a_torn_tail_repaired_by_the_next_writer_keeps_only_batches_it_can_verify(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    _write(run_dir, "a", [rec(t, 0) for t in range(10)], fsync_every=4)
+    _write(run_dir, "a", [rec(t, 0) for t in range(10)], batch=4)
     path = shard_paths(run_dir, "a").successes
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 7])  # the last line torn (a power loss)
@@ -253,7 +251,7 @@ def test_a_quarantine_rewrite_empties_the_index_and_a_stale_one_is_verified_not_
     tmp_path: Path,
 ) -> None:
     run_dir = tmp_path / "run"
-    _write(run_dir, "a", [rec(t, 0) for t in range(8)], fsync_every=2)
+    _write(run_dir, "a", [rec(t, 0) for t in range(8)], batch=2)
     path = shard_paths(run_dir, "a").successes
     lines = path.read_bytes().splitlines(keepends=True)
     path.write_bytes(b"".join(lines[:3]) + b"{not json\n" + b"".join(lines[3:]))
@@ -287,7 +285,7 @@ def test_random_corruption_of_data_and_index_gives_the_result_of_parsing(tmp_pat
     run_dir = tmp_path / "run"
     for number in range(2):
         records = _varied(rng, f"s{number}", [10 * number + t for t in range(4)])
-        _write(run_dir, f"s{number}", records, fsync_every=rng.choice([1, 2, 5]))
+        _write(run_dir, f"s{number}", records, batch=rng.choice([1, 2, 5]))
     names = sorted(os.listdir(run_dir))
     targets = [n for n in names if n.endswith((".jsonl", ".idx")) and (run_dir / n).stat().st_size]
     for _ in range(rng.randrange(1, 6)):
@@ -305,3 +303,19 @@ def test_random_corruption_of_data_and_index_gives_the_result_of_parsing(tmp_pat
             blob[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
         target.write_bytes(bytes(blob))
     _assert_same_as_parsing(run_dir, tmp_path)
+
+
+def test_with_a_small_fsync_every_the_index_is_written_every_64_records(tmp_path: Path) -> None:
+    """Syncs that ``fsync_every`` triggers write a file's batch once it holds 64 lines (not one index write
+    and fsync per record); close writes the rest."""
+    writer = ShardWriter(tmp_path, "a", run_id="r", config_identity=None, fsync_every=1)
+    writer.open()
+    path = shard_paths(tmp_path, "a").successes
+    for task in range(63):
+        writer.append(rec(task, 0))
+    assert index_path(path).read_bytes() == b""
+    writer.append(rec(63, 0))
+    assert _covered(path) == 64
+    writer.append(rec(64, 0))
+    writer.close()
+    assert _covered(path) == 65
