@@ -475,8 +475,9 @@ class ShardWriter:
         )
 
     def _repair(self, path: Path) -> bool:
-        """Repair ``path``'s torn tail and quarantine its corrupt lines; True when lines were moved out of
-        its middle (every later offset may have changed)."""
+        """Repair ``path``'s torn tail and quarantine its corrupt lines; True when its index cannot be kept
+        in part: lines were moved out of its middle (every later offset may have changed), or it is
+        missing."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
