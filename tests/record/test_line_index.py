@@ -264,7 +264,7 @@ def test_a_quarantine_rewrite_empties_the_index_and_a_stale_one_is_verified_not_
     _assert_same_as_parsing(run_dir, tmp_path / "stale")
 
 
-def test_an_index_write_is_under_the_lock_after_the_data(tmp_path: Path) -> None:
+def test_an_index_batch_is_written_at_checkpoints_after_its_lines(tmp_path: Path) -> None:
     """A batch is written at each checkpoint and on close, never before the lines it covers."""
     writer = ShardWriter(tmp_path, "a", run_id="r", config_identity=None, fsync_every=1000)
     writer.open()
