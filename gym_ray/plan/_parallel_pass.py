@@ -24,7 +24,8 @@ process may start children (not a daemon) and has >= 2 CPUs. :data:`PROCESSES` f
 (tests); it is no config key.
 
 Concurrency: every child is owned by the call: started in it, and terminated (if still running) and
-joined before it returns or raises, KeyboardInterrupt included. Children import only the planning modules.
+joined before it returns or raises, KeyboardInterrupt included. Children import only the planning modules
+they run (:mod:`gym_ray.plan._range_child`: not the settings' model) and get the settings as plain data.
 Memory: each process buffers one chunk of records (as the dedupe does); the files (24 bytes per row:
 sorted runs and digests) live in the pass's temporary folder, removed with it.
 """
@@ -37,7 +38,6 @@ import os
 import shutil
 import tempfile
 import threading
-import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -45,10 +45,9 @@ from typing import Any
 from gym_ray._spawn import main_script_not_rerun
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
-from gym_ray.errors import GymRayError, InternalError
-from gym_ray.plan._spill_dedupe import RangeRecorder, RecordedPart
-from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows, preprocess_knobs
-from gym_ray.plan.load import MAX_LINE_BYTES, _load_jsonl_span, until_stopped
+from gym_ray.plan._range_child import count_range, range_child
+from gym_ray.plan._spill_dedupe import RecordedPart
+from gym_ray.plan._validate_pass import RowsInvalid, preprocess_knobs
 from gym_ray.plan.preprocess import _Preprocessor
 
 __all__ = ["MAX_PROCESSES", "MIN_PARALLEL_BYTES", "PROCESSES", "CountedPart", "split_ranges", "valid_ranges"]
@@ -131,64 +130,6 @@ def _rows_kept(settings: RunSettings, topology: Topology) -> bool:
     return state.common is not None
 
 
-def _count_range(
-    path: str,
-    start: int,
-    end: int,
-    settings: RunSettings,
-    topology: Topology,
-    folder: str,
-    name: str,
-    stop: threading.Event | None = None,
-) -> tuple[int, list[str], str, int]:
-    """``(rows planned, sorted run files, digests file, lookups)`` of one range (files under ``folder``).
-
-    Raises:
-        RowsInvalid: A row of the range does not validate.
-        GymRayError: What reading or preprocessing the range raises.
-    """
-    recorder = RangeRecorder(Path(folder), name)
-    try:
-        span = _load_jsonl_span(
-            path,
-            start,
-            end,
-            max_line_bytes=MAX_LINE_BYTES,
-            strict_json=settings.strict_json,
-            wrap_read=recorder.chunk_log(start, end),
-        )
-        rows = until_stopped(span, stop)
-        count = count_valid_rows(rows, settings, topology, recorder)
-        runs, digests, lookups = recorder.finish()
-    finally:
-        recorder.close()
-    if count is None:
-        raise InternalError("the common-row validation pass does not apply to these settings")
-    return count, [str(run) for run in runs], str(digests), lookups
-
-
-def _range_child(
-    conn: Connection,
-    path: str,
-    start: int,
-    end: int,
-    settings: RunSettings,
-    topology: Topology,
-    folder: str,
-    name: str,
-) -> None:
-    """Body of a range process: validate one range, send ``(kind, result or detail)``."""
-    try:
-        try:
-            conn.send(("ok", _count_range(path, start, end, settings, topology, folder, name)))
-        except (RowsInvalid, GymRayError) as exc:
-            conn.send(("invalid", f"bytes {start}-{end}: {exc}"))
-        except Exception:  # anything else: the parent validates in one process
-            conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
 def valid_ranges(
     settings: RunSettings, topology: Topology, folder: Path, stop: threading.Event | None = None
 ) -> list[CountedPart] | None:
@@ -216,6 +157,7 @@ def valid_ranges(
     if not ranges:
         return None
     path = str(settings.input_jsonl_fpath)
+    knobs, strict = preprocess_knobs(settings), settings.strict_json  # plain data for the processes
     ctx = multiprocessing.get_context("spawn")
     children: list[tuple[Any, Connection]] = []
     where = tempfile.mkdtemp(prefix="ranges-", dir=folder)
@@ -224,8 +166,8 @@ def valid_ranges(
         for k, (start, end) in enumerate(ranges[1:], start=1):
             receiver, sender = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=_range_child,
-                args=(sender, path, start, end, settings, topology, where, f"range-{k:04d}"),
+                target=range_child,  # a module that imports neither pydantic nor the settings
+                args=(sender, path, start, end, knobs, strict, topology, where, f"range-{k:04d}"),
                 name=f"gym_ray-validate-range-{k}",
                 daemon=True,
             )
@@ -235,7 +177,7 @@ def valid_ranges(
                     proc.start()
             finally:
                 sender.close()
-        results = [_count_range(path, *ranges[0], settings, topology, where, "range-0000", stop)]
+        results = [count_range(path, *ranges[0], knobs, strict, topology, where, "range-0000", stop)]
         for child, receiver in children:
             try:
                 kind, outcome = receiver.recv()

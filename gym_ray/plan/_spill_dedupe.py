@@ -33,8 +33,11 @@ bytes instead (:meth:`SpillDedupe.chunk_check`) and numbers by order alone
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
+import itertools
+import operator
 import os
 import shutil
 import socket
@@ -87,6 +90,12 @@ class _Spiller:
         if len(self._buffer) >= self._chunk:
             self._spill()
 
+    def add_many(self, values: list[int]) -> None:
+        """:meth:`add` each of ``values``, in order (a sorted run is written once ``chunk`` are buffered)."""
+        self._buffer += values
+        if len(self._buffer) >= self._chunk:
+            self._spill()
+
     def _spill(self) -> None:
         self._buffer.sort()
         self._runs.append((self._write_run(self._buffer), 0))
@@ -106,6 +115,12 @@ class _Spiller:
         path = self._folder / f"{self._name}-{self._written:06d}.run"
         self._written += 1
         with path.open("wb") as out:
+            if isinstance(values, list):  # a buffer: both halves of every value at once
+                words = array(_U64, bytes(16 * len(values)))
+                words[0::2] = array(_U64, [value >> 64 for value in values])
+                words[1::2] = array(_U64, [value & _U64_MASK for value in values])
+                words.tofile(out)
+                return path
             words = array(_U64)
             for value in values:
                 words.append(value >> 64)
@@ -131,6 +146,77 @@ class _Spiller:
             for path, _offset in group:
                 path.unlink()
         return heapq.merge(*(_read_run(path, offset) for path, offset in self._runs))
+
+    def sorted_blocks(self) -> Iterator[list[int]]:
+        """Every value added, ascending, as lists whose concatenation is :meth:`sorted`'s sequence (the
+        merge takes a block of each run at a time: a C sort of sorted pieces, not a Python step per value).
+        Call once, after the last add."""
+        if not self._runs:
+            values, self._buffer = self._buffer, []
+            values.sort()
+            if values:
+                yield values
+            return
+        if self._buffer:
+            self._spill()
+        if len(self._runs) > _FAN_IN:  # the rounds of sorted(), then one merge of what is left
+            yield from _in_blocks(self.sorted())
+            return
+        yield from _merged_blocks([_run_blocks(path, offset) for path, offset in self._runs])
+
+
+def _in_blocks(values: Iterator[int]) -> Iterator[list[int]]:
+    """``values`` cut into lists of up to :data:`_READ_BLOCK` * 16."""
+    while block := list(itertools.islice(values, _READ_BLOCK * 16)):
+        yield block
+
+
+def _run_blocks(path: Path, offset: int = 0) -> Iterator[list[int]]:
+    """The values of a run file (each plus ``offset``), a block of :data:`_READ_BLOCK` * 16 at a time."""
+    with path.open("rb") as src:
+        while True:
+            words = array(_U64)
+            try:
+                words.fromfile(src, 2 * _READ_BLOCK * 16)
+            except EOFError:
+                pass  # the last, shorter block: fromfile keeps what it read
+            if not words:
+                return
+            if offset:
+                yield [
+                    ((high << 64) | low) + offset for high, low in zip(words[0::2], words[1::2], strict=True)
+                ]
+            else:
+                yield [(high << 64) | low for high, low in zip(words[0::2], words[1::2], strict=True)]
+
+
+def _merged_blocks(runs: list[Iterator[list[int]]]) -> Iterator[list[int]]:
+    """The ascending merge of sorted ``runs`` (each given as ascending blocks), as ascending blocks.
+
+    Each step takes, from every run, its values up to the smallest last value of the runs' current
+    blocks (so at least one whole block), and sorts them together.
+    """
+    heads: list[tuple[list[int], int, Iterator[list[int]]]] = []  # (block, first value not taken, rest)
+    for run in runs:
+        block = next(run, None)
+        if block:
+            heads.append((block, 0, run))
+    while heads:
+        bound = min(block[-1] for block, _start, _run in heads)
+        merged: list[int] = []
+        kept: list[tuple[list[int], int, Iterator[list[int]]]] = []
+        for block, start, run in heads:
+            end = bisect.bisect_right(block, bound, start)
+            merged += block[start:end]
+            if end < len(block):
+                kept.append((block, end, run))
+            else:
+                following = next(run, None)
+                if following:
+                    kept.append((following, 0, run))
+        heads = kept
+        merged.sort()  # sorted pieces: timsort merges them
+        yield merged
 
 
 def _read_run(path: Path, offset: int = 0) -> Iterator[int]:
@@ -309,7 +395,7 @@ class SpillDedupe:
             raise InternalError("SpillDedupe.replay() called twice")
         self._replayed = True
         events = _Spiller(self._folder, "events", self._chunk)
-        for source, duplicates in _groups(self._records.sorted()):
+        for source, duplicates in _block_groups(self._records.sorted_blocks()):
             events.add(_event(source, _SOURCE, 0))
             for ordinal in duplicates[:-1]:
                 events.add(_event(ordinal, _DUPLICATE, source))
@@ -373,6 +459,17 @@ class RangeRecorder:
         self._records.add((key << _ORDINAL_BITS) | ordinal)
         return ordinal
 
+    def add_many(self, keys: list[int], /) -> None:
+        """:meth:`add` each of ``keys``, in order (their ordinals are not needed: a validation pass)."""
+        base = self.lookups
+        self.lookups = base + len(keys)
+        buffered = self._keys
+        buffered.extend(keys)
+        if len(buffered) >= 16 * _READ_BLOCK:
+            buffered.tofile(self._out)
+            self._keys = array(_U64)
+        self._records.add_many([(key << _ORDINAL_BITS) | ordinal for ordinal, key in enumerate(keys, base)])
+
     def finish(self) -> RecordedPart:
         """Write what is buffered; the files and the count for :meth:`SpillDedupe.adopt_range`."""
         try:
@@ -411,6 +508,38 @@ def _groups(records: Iterable[int]) -> Iterator[tuple[int, list[int]]]:
             ordinals.append(ordinal)
     if len(ordinals) > 1:
         yield ordinals[0], ordinals[1:]
+
+
+def _block_groups(blocks: Iterable[list[int]]) -> Iterator[tuple[int, list[int]]]:
+    """:func:`_groups` of the concatenated ``blocks`` (ascending records): equal digests are found a block
+    at a time by comparing each digest with the next in C; only duplicated records take a Python step.
+
+    The records of a block's last digest are held back and put before the next block (a group may go on
+    there).
+    """
+    carry: list[int] = []
+    for block in blocks:
+        if carry:
+            block = carry + block
+        digests = [record >> _ORDINAL_BITS for record in block]
+        cut = bisect.bisect_left(digests, digests[-1])  # the last digest's records: carried
+        carry = block[cut:]
+        same = itertools.compress(range(cut - 1), map(operator.eq, digests[: cut - 1], digests[1:cut]))
+        first = -2  # the group being gathered starts at index `first`, its last record is at `last`
+        last = -2
+        for index in same:  # index and index + 1 hold one digest
+            if index != last:
+                if first >= 0:
+                    yield (
+                        block[first] & _ORDINAL_MASK,
+                        [r & _ORDINAL_MASK for r in block[first + 1 : last + 1]],
+                    )
+                first = index
+            last = index + 1
+        if first >= 0:
+            yield block[first] & _ORDINAL_MASK, [r & _ORDINAL_MASK for r in block[first + 1 : last + 1]]
+    if len(carry) > 1:
+        yield carry[0] & _ORDINAL_MASK, [r & _ORDINAL_MASK for r in carry[1:]]
 
 
 class DedupeReplay:

@@ -16,13 +16,15 @@ raises the error a user sees.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gym_ray import keys
-from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
 from gym_ray.plan.preprocess import TaskNumbering, _Preprocessor
 from gym_ray.plan.validation import _Validator
+
+if TYPE_CHECKING:  # the range process imports this module without pydantic (its settings are plain data)
+    from gym_ray.config.settings import RunSettings
 
 __all__ = ["RowsInvalid", "count_valid_rows"]
 

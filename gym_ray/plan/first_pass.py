@@ -38,6 +38,7 @@ from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, InputError, InternalError, UsageError
 from gym_ray.plan._parallel_pass import CountedPart, valid_ranges
 from gym_ray.plan._spill_dedupe import RangeRecorder, RecordedPart, SpillDedupe, owned_folder
+from gym_ray.plan._valid_lines import count_valid_lines
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows, preprocess_knobs
 from gym_ray.plan.load import ReadWrapper, _load_jsonl_via, non_finite_problem, until_stopped
 from gym_ray.plan.preprocess import TaskNumbering, iter_preprocess
@@ -191,8 +192,11 @@ def first_pass(
             try:
                 found = None
                 if rows is None:  # one process (a small file, limit set, ...)
-                    logged = _limited_rows(settings, None, stop, recorder.chunk_log(0, None))
-                    found = count_valid_rows(logged(), settings, topology, recorder)
+                    logged = recorder.chunk_log(0, None)
+                    found = count_valid_lines(settings, topology, recorder, wrap_read=logged, stop=stop)
+                    if found is None:  # limit set, or knobs that rewrite rows: the general chain
+                        limited = _limited_rows(settings, None, stop, logged)
+                        found = count_valid_rows(limited(), settings, topology, recorder)
                 if found is None:
                     found = count_rows(source(recorder), topology)
                 parts = [(found, recorder.finish())]

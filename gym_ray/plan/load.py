@@ -255,23 +255,30 @@ def _load_jsonl_span(
     name = os.fspath(path)
     handle = _open_input(name)
     with handle:
-        lines_before = 0
-        while handle.tell() < start:
-            block = handle.read(min(_COUNT_BYTES, start - handle.tell()))
-            if not block:
-                break
-            lines_before += block.count(b"\n")
-        left = end - start
-
-        def read(size: int) -> bytes:
-            nonlocal left
-            data = handle.read(min(size, left)) if left > 0 else b""
-            left -= len(data)
-            return data
-
+        lines_before, read = _span_read(handle, start, end)
         yield from _read_rows(
             read if wrap_read is None else wrap_read(read), name, lines_before, max_line_bytes, strict_json
         )
+
+
+def _span_read(handle: BinaryIO, start: int, end: int) -> tuple[int, Callable[[int], bytes]]:
+    """``(newlines before start, read)``: the file ``handle`` (opened at byte 0) moved to ``start``, the
+    newlines before it counted, and a ``read(size)`` that gives the bytes up to ``end``."""
+    lines_before = 0
+    while handle.tell() < start:
+        block = handle.read(min(_COUNT_BYTES, start - handle.tell()))
+        if not block:
+            break
+        lines_before += block.count(b"\n")
+    left = end - start
+
+    def read(size: int) -> bytes:
+        nonlocal left
+        data = handle.read(min(size, left)) if left > 0 else b""
+        left -= len(data)
+        return data
+
+    return lines_before, read
 
 
 def _read_rows(
