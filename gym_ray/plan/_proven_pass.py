@@ -25,11 +25,11 @@ from typing import Any
 import orjson
 
 from gym_ray import keys
-from gym_ray._json import _DIGITS_AS_ZERO as _MARKS
-from gym_ray._json import _PASSTHROUGH, _UNSURE
+from gym_ray._json import _PASSTHROUGH
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
 from gym_ray.plan import load
+from gym_ray.plan._line_flags import STAMP_AS_READ, LineFlags, written_as_is
 from gym_ray.plan._stage import StampedLine
 from gym_ray.plan._validate_pass import preprocess_knobs
 from gym_ray.plan.load import MAX_LINE_BYTES, ReadWrapper, Stopped
@@ -49,27 +49,22 @@ _ATTEMPT = keys.ATTEMPT_INDEX
 _STAMP = b'%%s,"%s":%%d,"%s":%%d}\n' % (_TASK.encode(), _ROLLOUT.encode())
 
 
-def _written_as_is(block: bytes) -> bool:
-    """True when, for every row of ``block`` whose orjson text is its line, ``json``'s compact text is that
-    line too: the block holds none of the marks for which :func:`gym_ray._json.dumps_compact_lines` asks
-    ``json`` (an exponent, 17 digits in a row, ``0.0000``, ``null``)."""
-    marked = block.translate(_MARKS)
-    return not (b"0e" in marked or _UNSURE[1] in marked or b"0.0000" in marked or b"null" in marked)
-
-
 def proven_rows(
     settings: RunSettings,
     topology: Topology,
     stop: threading.Event | None,
     wrap_read: ReadWrapper,
     numbering: TaskNumbering,
+    flags: LineFlags | None = None,
 ) -> Iterator[dict[str, Any] | StampedLine] | None:
     """The preprocessed rows of the input file read through ``wrap_read``, or None when this loop does not
     apply (``limit`` set, or a knob that rewrites rows: the caller takes the general pass).
 
     What ``input_rows(settings, topology, None, stop, proven_by=wrap_read)(numbering)`` yields
     (:func:`gym_ray.plan.first_pass.input_rows`), with the same errors; the preprocessing knobs are checked
-    at this call, as there.
+    at this call, as there. ``flags``: what the validation pass learnt of each line of these very bytes
+    (:mod:`gym_ray.plan._line_flags`; ``numbering`` then numbers by order): a line flagged
+    :data:`~gym_ray.plan._line_flags.STAMP_AS_READ` is stamped without being parsed again.
     """
     if settings.limit or settings.input_jsonl_fpath is None:
         return None
@@ -78,11 +73,15 @@ def proven_rows(
     )
     if state.common is None:
         return None
-    return _rows(os.fspath(settings.input_jsonl_fpath), wrap_read, state, stop)
+    return _rows(os.fspath(settings.input_jsonl_fpath), wrap_read, state, stop, flags)
 
 
 def _rows(
-    name: str, wrap_read: ReadWrapper, state: _Preprocessor, stop: threading.Event | None
+    name: str,
+    wrap_read: ReadWrapper,
+    state: _Preprocessor,
+    stop: threading.Event | None,
+    flags: LineFlags | None,
 ) -> Iterator[dict[str, Any] | StampedLine]:
     common = state.common
     assert common is not None  # checked by the caller
@@ -94,16 +93,36 @@ def _rows(
     bom, digits_as_zero, nineteen = load._BOM, load._DIGITS_AS_ZERO, load._NINETEEN_DIGITS
     max_line, check_every = MAX_LINE_BYTES, load.STOP_CHECK_ROWS
     decoder = load._LENIENT_DECODER  # proven bytes: read as with strict_json off (pass 1 checked them)
+    next_task = state.task_by_digest.add  # flagged lines: numbered by order (the bytes are proven)
+    stamp_as_read = STAMP_AS_READ
     pos = line_no = 0
     handle = load._open_input(name)
     with handle:
         for block in load._line_blocks(wrap_read(handle.read), name, max_line, 0):
-            plain = nineteen not in block.translate(digits_as_zero)
-            as_is = _written_as_is(block)
-            for content in block.split(b"\n"):
+            lines = block.split(b"\n")
+            marks = bytes(len(lines)) if flags is None else flags.take(len(lines))
+            if marks.count(stamp_as_read) < len(lines):  # some line is parsed
+                plain = nineteen not in block.translate(digits_as_zero)
+                as_is = written_as_is(block)
+            for content, mark in zip(lines, marks, strict=True):
                 line_no += 1
                 if len(content) > max_line:
                     raise load._line_error(name, line_no, load._too_long(max_line))
+                if mark == stamp_as_read:  # the validation pass's facts: stamp the line read
+                    fast = content[3:] if line_no == 1 and content.startswith(bom) else content
+                    if stop is not None and not pos % check_every and stop.is_set():
+                        raise Stopped("stopped")
+                    number = next_task(0)
+                    text = fast[:-1]
+                    if repeats == 1:
+                        rollout = take(number)
+                        yield (number, rollout, 0, _STAMP % (text, number, rollout))
+                    else:
+                        for _ in range(repeats):
+                            rollout = take(number)
+                            yield (number, rollout, 0, _STAMP % (text, number, rollout))
+                    pos += 1
+                    continue
                 # the row is read (load._read_rows's steps) ...
                 fast = content[3:] if line_no == 1 and content.startswith(bom) else content
                 if plain:

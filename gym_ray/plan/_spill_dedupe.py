@@ -46,10 +46,11 @@ import tempfile
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 from gym_ray.errors import InputError, InternalError
 from gym_ray.plan._input_chunks import CHANGED, ChunkCheck, ChunkLog, Read, chunks_path
+from gym_ray.plan._line_flags import LineFlags, flags_path
 
 __all__ = [
     "DedupeReplay",
@@ -115,11 +116,13 @@ class _Spiller:
         path = self._folder / f"{self._name}-{self._written:06d}.run"
         self._written += 1
         with path.open("wb") as out:
-            if isinstance(values, list):  # a buffer: both halves of every value at once
-                words = array(_U64, bytes(16 * len(values)))
-                words[0::2] = array(_U64, [value >> 64 for value in values])
-                words[1::2] = array(_U64, [value & _U64_MASK for value in values])
-                words.tofile(out)
+            if isinstance(values, list):  # a buffer: both halves of a block of values at once
+                for at in range(0, len(values), _READ_BLOCK):
+                    block = values[at : at + _READ_BLOCK]
+                    words = array(_U64, bytes(16 * len(block)))
+                    words[0::2] = array(_U64, [value >> 64 for value in block])
+                    words[1::2] = array(_U64, [value & _U64_MASK for value in block])
+                    words.tofile(out)
                 return path
             words = array(_U64)
             for value in values:
@@ -166,18 +169,18 @@ class _Spiller:
 
 
 def _in_blocks(values: Iterator[int]) -> Iterator[list[int]]:
-    """``values`` cut into lists of up to :data:`_READ_BLOCK` * 16."""
-    while block := list(itertools.islice(values, _READ_BLOCK * 16)):
+    """``values`` cut into lists of up to :data:`_READ_BLOCK`."""
+    while block := list(itertools.islice(values, _READ_BLOCK)):
         yield block
 
 
 def _run_blocks(path: Path, offset: int = 0) -> Iterator[list[int]]:
-    """The values of a run file (each plus ``offset``), a block of :data:`_READ_BLOCK` * 16 at a time."""
+    """The values of a run file (each plus ``offset``), a block of :data:`_READ_BLOCK` at a time (16 KiB)."""
     with path.open("rb") as src:
         while True:
             words = array(_U64)
             try:
-                words.fromfile(src, 2 * _READ_BLOCK * 16)
+                words.fromfile(src, 2 * _READ_BLOCK)
             except EOFError:
                 pass  # the last, shorter block: fromfile keeps what it read
             if not words:
@@ -305,6 +308,7 @@ class SpillDedupe:
         self._ordinals = 0
         self._replayed = False
         self._chunk_files: list[Path] | None = []  # per adopted part; None once a lookup came without
+        self._flag_files: list[Path] | None = []  # the same, for the parts' line flags
 
     def __enter__(self) -> SpillDedupe:
         return self
@@ -359,6 +363,9 @@ class SpillDedupe:
         chunks = chunks_path(digests)
         if self._chunk_files is not None:
             self._chunk_files = [*self._chunk_files, chunks] if chunks.exists() else None
+        flags = flags_path(digests)
+        if self._flag_files is not None:
+            self._flag_files = [*self._flag_files, flags] if flags.exists() else None
 
     def chunk_check(self) -> ChunkCheck | None:
         """The check that pass 2 reads the bytes pass 1 validated, or None when pass 1 did not log them.
@@ -369,6 +376,13 @@ class SpillDedupe:
         if not self._chunk_files:
             return None
         return ChunkCheck(self._chunk_files)
+
+    def line_flags(self) -> LineFlags | None:
+        """What pass 1 learnt of each input line (:mod:`gym_ray.plan._line_flags`), for a pass 2 that proves
+        it reads pass 1's bytes (:meth:`chunk_check`); None unless every part recorded its lines' flags."""
+        if not self._flag_files or not self._chunk_files:
+            return None
+        return LineFlags(self._flag_files)
 
     def add(self, key: int) -> int:
         """Record one digest lookup of pass 1; return its ordinal (a stand-in for the task index).
@@ -387,6 +401,7 @@ class SpillDedupe:
         self._sequence.update(key.to_bytes(8, "little"))
         self._records.add((key << _ORDINAL_BITS) | ordinal)
         self._chunk_files = None  # a lookup of no logged part: pass 2 checks the digests
+        self._flag_files = None
         return ordinal
 
     def replay(self) -> DedupeReplay:
@@ -430,6 +445,7 @@ class RangeRecorder:
         self._out = self._path.open("wb")
         self._keys = array(_U64)
         self._chunks: ChunkLog | None = None
+        self._flags: BinaryIO | None = None
         self.lookups = 0
 
     def chunk_log(self, start: int, end: int | None) -> Callable[[Read], Read]:
@@ -470,6 +486,13 @@ class RangeRecorder:
             self._keys = array(_U64)
         self._records.add_many([(key << _ORDINAL_BITS) | ordinal for ordinal, key in enumerate(keys, base)])
 
+    def add_line_flags(self, flags: bytes, /) -> None:
+        """Record the flags of the next lines of the part (:mod:`gym_ray.plan._line_flags`; a part that
+        records them records one per line it read)."""
+        if self._flags is None:
+            self._flags = flags_path(self._path).open("wb")
+        self._flags.write(flags)
+
     def finish(self) -> RecordedPart:
         """Write what is buffered; the files and the count for :meth:`SpillDedupe.adopt_range`."""
         try:
@@ -484,35 +507,19 @@ class RangeRecorder:
         self._out.close()
         if self._chunks is not None:
             self._chunks.close()
+        if self._flags is not None:
+            self._flags.close()
 
 
 def _event(ordinal: int, kind: int, source: int) -> int:
     return (ordinal << (_ORDINAL_BITS + 2)) | (kind << _ORDINAL_BITS) | source
 
 
-def _groups(records: Iterable[int]) -> Iterator[tuple[int, list[int]]]:
-    """``(first ordinal, later ordinals)`` for every digest that occurs more than once.
-
-    ``records`` are ``digest << 40 | ordinal`` ascending, so equal digests are adjacent, ordinals ascending.
-    Only one group's ordinals are held at a time.
-    """
-    current: int | None = None
-    ordinals: list[int] = []
-    for record in records:
-        digest, ordinal = record >> _ORDINAL_BITS, record & _ORDINAL_MASK
-        if digest != current:
-            if len(ordinals) > 1:
-                yield ordinals[0], ordinals[1:]
-            current, ordinals = digest, [ordinal]
-        else:
-            ordinals.append(ordinal)
-    if len(ordinals) > 1:
-        yield ordinals[0], ordinals[1:]
-
-
 def _block_groups(blocks: Iterable[list[int]]) -> Iterator[tuple[int, list[int]]]:
-    """:func:`_groups` of the concatenated ``blocks`` (ascending records): equal digests are found a block
-    at a time by comparing each digest with the next in C; only duplicated records take a Python step.
+    """``(first ordinal, later ordinals)`` for every digest that occurs more than once in the concatenated
+    ``blocks`` of records ``digest << 40 | ordinal``, ascending (so equal digests are adjacent, ordinals
+    ascending). Equal digests are found a block at a time by comparing each digest with the next in C;
+    only duplicated records take a Python step.
 
     The records of a block's last digest are held back and put before the next block (a group may go on
     there).

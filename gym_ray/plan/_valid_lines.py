@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gym_ray import keys
+from gym_ray._json import _PASSTHROUGH
 from gym_ray.config.topology import Topology
 from gym_ray.plan import load
+from gym_ray.plan._line_flags import PARSE, STAMP_AS_READ, written_as_is
 from gym_ray.plan._validate_pass import RowsInvalid, preprocess_knobs
 from gym_ray.plan.load import MAX_LINE_BYTES, ReadWrapper, Stopped
 from gym_ray.plan.preprocess import TaskNumbering, _Preprocessor
@@ -44,6 +46,8 @@ _ENV = keys.ENVIRONMENT_SERVER
 _AGENT_REF = keys.AGENT_REF
 _PARAMS = keys.RESPONSES_CREATE_PARAMS
 _TASK = keys.TASK_INDEX
+_ROLLOUT = keys.ROLLOUT_INDEX
+_ATTEMPT = keys.ATTEMPT_INDEX
 _SOURCE = keys.TASK_SOURCE
 
 
@@ -129,6 +133,9 @@ def _count(
     # Lookups of common rows are handed over a block at a time (in order; before any other lookup)
     add_many: Callable[[list[int]], None] = getattr(numbering, "add_many", None) or _one_by_one(numbering)
     known: dict[tuple[str, str | None], bool] = {}  # flat_row_clean's answer per (agent, task_source)
+    # What the planning pass needs of each line, when the numbering records it (a RangeRecorder)
+    add_flags: Callable[[bytes], None] | None = getattr(numbering, "add_line_flags", None)
+    passthrough, no_flag, stamp_as_read = _PASSTHROUGH, PARSE, STAMP_AS_READ
     expand, clean, check = state.expand, validator.flat_row_clean, validator.check
     loads, decode_error, dumps, sort_keys = (
         orjson.loads,
@@ -150,6 +157,9 @@ def _count(
         plain = nineteen not in block.translate(digits_as_zero) and not (strict and b"\\u003" in block)
         pending: list[int] = []  # the block's lookups not handed over yet
         add = pending.append
+        as_is = add_flags is not None and written_as_is(block)
+        flags = bytearray()
+        flag_line = flags.append
         for content in block.split(b"\n"):
             line_no += 1
             if len(content) > max_line:
@@ -186,6 +196,7 @@ def _count(
                 raise Stopped("stopped")
             # ... the task is numbered (CommonRows._numbered's steps) and the row checked (count_valid_rows's)
             agent = None
+            flag = no_flag
             if type(row) is dict and _TASK_ID not in row and _ENV not in row:
                 ref = row.get(_AGENT_REF)
                 if type(row.get(_PARAMS)) is dict and type(ref) is dict:
@@ -197,6 +208,15 @@ def _count(
                         if task is None:
                             if text is not None and b"null" not in text:
                                 add(from_bytes(blake2b(text, digest_size=8).digest(), "little"))
+                                if (
+                                    as_is
+                                    and _TASK not in row
+                                    and _ROLLOUT not in row
+                                    and dumps(row, option=passthrough) == fast
+                                ):  # the line is json's text of the row: the planning pass stamps it
+                                    attempt = row.get(_ATTEMPT)
+                                    if type(attempt) is not int or attempt == 0:
+                                        flag = stamp_as_read
                             else:  # preprocess's own digest (json's form for a null)
                                 if pending:
                                     add_many(pending)
@@ -209,6 +229,7 @@ def _count(
                             agent = None
                         if agent is not None:
                             keys_seen.add(agent)
+            flag_line(flag)
             if agent is not None:
                 source = row.get(_SOURCE)
                 if source is None or type(source) is str:
@@ -231,6 +252,8 @@ def _count(
             pos += 1
         if pending:
             add_many(pending)
+        if add_flags is not None:
+            add_flags(bytes(flags))
     if stop is not None and stop.is_set():
         raise Stopped("stopped")
     state.finish()

@@ -35,6 +35,7 @@ from gym_ray.config.settings import RunSettings
 from gym_ray.errors import GymRayError, RecordError, ResumeError, UsageError
 from gym_ray.plan._commit import commit_new_shard
 from gym_ray.plan._input_chunks import ChunkCheck
+from gym_ray.plan._line_flags import LineFlags
 from gym_ray.plan._proven_pass import proven_rows
 from gym_ray.plan._spill_dedupe import DedupeReplay, SpillDedupe
 from gym_ray.plan._stage import Staged, StampedLine, stage_shards
@@ -461,10 +462,12 @@ def iter_prepare_run(
             yield from plan(_checked(source(replay), replay), counted)
         else:  # pass 1 logged the bytes it read: pass 2 proves it reads them and numbers by order
             replay.trust_bytes()
-            again = proven_rows(settings, topology, stop, check.reader, replay)
+            flags = dedupe.line_flags()  # pass 1's facts per line: a common line is parsed once
+            again = proven_rows(settings, topology, stop, check.reader, replay, flags)
             if again is None:  # limit set, or knobs that rewrite rows: the general pass
+                flags = None
                 again = input_rows(settings, topology, None, stop, proven_by=check.reader)(replay)
-            yield from plan(_checked(again, replay, check), counted)
+            yield from plan(_checked(again, replay, check, flags), counted)
 
 
 def _planned_shard_size(settings: RunSettings, output_dir: str, run_rows: int, num_workers: int) -> int:
@@ -478,13 +481,18 @@ def _planned_shard_size(settings: RunSettings, output_dir: str, run_rows: int, n
 
 
 def _checked(
-    rows: Iterator[dict[str, Any] | StampedLine], replay: DedupeReplay, check: ChunkCheck | None = None
+    rows: Iterator[dict[str, Any] | StampedLine],
+    replay: DedupeReplay,
+    check: ChunkCheck | None = None,
+    flags: LineFlags | None = None,
 ) -> Iterator[dict[str, Any] | StampedLine]:
     """``rows``, then the check that the second pass numbered what the first pass saw."""
     yield from rows
     replay.finish()
     if check is not None:
         check.finish()
+    if flags is not None:
+        flags.finish()
 
 
 def _output_dir(settings: RunSettings) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from gym_ray.config.run_config import RunConfig
 from gym_ray.errors import GymRayError
 from gym_ray.plan import _parallel_pass, _spill_dedupe, first_pass
 from gym_ray.plan._range_child import count_range
-from gym_ray.plan._spill_dedupe import RangeRecorder, _block_groups, _groups, _Spiller
+from gym_ray.plan._spill_dedupe import RangeRecorder, _block_groups, _Spiller
 from gym_ray.plan._valid_lines import count_valid_lines
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows, preprocess_knobs
 from gym_ray.plan.load import Stopped, _load_jsonl_span, _load_jsonl_via, until_stopped
@@ -26,6 +27,23 @@ from gym_ray.plan.run_manifest import read_run_manifest
 from gym_ray.plan.shards import prepare_run
 from gym_ray.record.manifest import read_manifest
 from tests.plan.test_common_rows import _config, _row, _varied_lines
+
+
+def _groups(records: Iterable[int]) -> Iterator[tuple[int, list[int]]]:
+    """The form ``_block_groups`` replaced, value by value (``_spill_dedupe._groups`` before issue 17's
+    planning round): ``(first ordinal, later ordinals)`` of each digest seen more than once."""
+    current: int | None = None
+    ordinals: list[int] = []
+    for record in records:
+        digest, ordinal = record >> 40, record & ((1 << 40) - 1)
+        if digest != current:
+            if len(ordinals) > 1:
+                yield ordinals[0], ordinals[1:]
+            current, ordinals = digest, [ordinal]
+        else:
+            ordinals.append(ordinal)
+    if len(ordinals) > 1:
+        yield ordinals[0], ordinals[1:]
 
 
 class _Keys:
