@@ -158,6 +158,8 @@ def _count(
         pending: list[int] = []  # the block's lookups not handed over yet
         add = pending.append
         as_is = add_flags is not None and written_as_is(block)
+        # a row's sorted text holds "null" only where its line does, or by a \u escape
+        null_possible = b"null" in block or b"\\u" in block
         flags = bytearray()
         flag_line = flags.append
         for content in block.split(b"\n"):
@@ -167,6 +169,7 @@ def _count(
             # the row is read (load._read_rows's steps, load._plain_decode's inline) ...
             fast = content[3:] if line_no == 1 and content.startswith(bom) else content
             text = None  # the row's sorted text when its duplicate-key check encoded it
+            same = False  # json's compact text of the row is the line (orjson's, in a block without marks)
             if plain:
                 try:
                     row = loads(fast)
@@ -179,7 +182,9 @@ def _count(
                         except encode_error:  # nested deeper than orjson writes
                             row = slow
                         else:
-                            if fast.count(b":") != text.count(b":"):
+                            # the row written back is the line: no key was dropped (a repeated key would be)
+                            same = as_is and dumps(row, option=passthrough) == fast
+                            if not same and fast.count(b":") != text.count(b":"):
                                 row, text = slow, None  # maybe a repeated key: the json decoder names it
             else:
                 row = fast_decode(fast, strict)
@@ -206,14 +211,10 @@ def _count(
                     else:
                         task = row.get(_TASK)
                         if task is None:
-                            if text is not None and b"null" not in text:
+                            if text is not None and not (null_possible and b"null" in text):
                                 add(from_bytes(blake2b(text, digest_size=8).digest(), "little"))
-                                if (
-                                    as_is
-                                    and _TASK not in row
-                                    and _ROLLOUT not in row
-                                    and dumps(row, option=passthrough) == fast
-                                ):  # the line is json's text of the row: the planning pass stamps it
+                                if same and _TASK not in row and _ROLLOUT not in row:
+                                    # the line is json's text of the row: the planning pass stamps it
                                     attempt = row.get(_ATTEMPT)
                                     if type(attempt) is not int or attempt == 0:
                                         flag = stamp_as_read

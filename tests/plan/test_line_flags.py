@@ -49,6 +49,13 @@ def test_a_line_is_flagged_when_it_is_json_s_text_of_a_common_row_without_indice
     lines[7] = json.dumps(rows[7], separators=(",", ":"))
     assert _flags_of(tmp_path / "a", lines) == bytes([1, 0, 0, 0, 0, 1, 1, 0, 0, 1])
     assert _flags_of(tmp_path / "b", lines, bom=True) == bytes([1, 0, 0, 0, 0, 1, 1, 0, 0, 1])
+    # a compact line with a repeated key: written back it is shorter, so refused as in the general chain
+    repeated = '{"responses_create_params":{"input":"r"},"agent_ref":{"name":"arith_agent"},"k":1,"k":1}'
+    with pytest.raises(InputError, match="line 11: duplicate key 'k'"):
+        _flags_of(tmp_path / "e", [*lines, repeated])
+    # "null" written as an escape: its digits read as an exponent mark ("006e"), so the block is not stamped
+    escaped = '{"responses_create_params":{"input":"\\u006eull"},"agent_ref":{"name":"arith_agent"}}'
+    assert _flags_of(tmp_path / "f", [*lines, escaped]) == bytes(11)
     # a block holding a mark (null, an exponent, ...): json may write another text, so no line is flagged
     assert _flags_of(tmp_path / "c", [*lines, json.dumps(_row("n", x=None))]) == bytes(11)
     # without strict_json the rows' digests are not taken from the duplicate-key check: nothing flagged

@@ -65,6 +65,8 @@ def _lines() -> list[str]:
         json.dumps(_row("deep", deep=[[[[{"x": [[["y"]]]}]]]])),
         json.dumps(_row("big", n=1234567890123456789)),  # 19 digits: the block is not plain
         json.dumps(_row("q0", meta={"b": 1, "a": [1.5, "é"]}), ensure_ascii=False),
+        '{"responses_create_params":{"input":"\\u006eull"},"agent_ref":{"name":"arith_agent"}}',  # "null"
+        json.dumps(_row("nu\u006cl ok"), separators=(",", ":")),
     ]
     return (_varied_lines() + extra) * 3
 
@@ -110,11 +112,11 @@ def test_the_loop_counts_and_numbers_as_the_general_chain(
     fast, general = _both(run)
     assert fast == general
     assert fast[0] == "ok"
-    assert fast[1] == 3 * 21 * repeats  # 21 input rows a round, each run `repeats` times
-    assert len(fast[2]) == 3 * 19  # every row numbered by content but the two with their own task index
+    assert fast[1] == 3 * 23 * repeats  # 23 input rows a round, each run `repeats` times
+    assert len(fast[2]) == 3 * 21  # every row numbered by content but the two with their own task index
     # identical rows share a digest: q0 (three lines a round: respaced, written with ensure_ascii off),
-    # q1 and the materialized row (twice each): 15 distinct
-    assert len(set(fast[2])) == 15
+    # q1 and the materialized row (twice each): 17 distinct
+    assert len(set(fast[2])) == 17
 
 
 @pytest.mark.parametrize(
@@ -202,7 +204,7 @@ def test_a_range_counts_and_records_as_the_general_chain_over_its_span(
         assert fast == general
         outcomes.append(fast[0])
     if bad_at is None:
-        assert outcomes[0] + outcomes[1] == 2 * 3 * 21
+        assert outcomes[0] + outcomes[1] == 2 * 3 * 23
     else:
         assert outcomes.count("invalid") == 1
         assert outcomes.index("invalid") == (0 if bad_at == 5 else 1)
