@@ -88,7 +88,7 @@ def _rows(
     repeats = common.num_repeats
     task_index, take, keys_seen = state.number, state.next_rollout.take, state.keys_seen
     expand = state.expand
-    loads, decode_error, dumps, opt = orjson.loads, orjson.JSONDecodeError, orjson.dumps, _PASSTHROUGH
+    loads, decode_error, written_as_read = orjson.loads, orjson.JSONDecodeError, _written_as_read
     slow, fast_decode, slow_decode = load._SLOW, load._fast_decode, load._slow_decode
     bom, digits_as_zero, nineteen = load._BOM, load._DIGITS_AS_ZERO, load._NINETEEN_DIGITS
     max_line, check_every = MAX_LINE_BYTES, load.STOP_CHECK_ROWS
@@ -162,7 +162,7 @@ def _rows(
                                     as_is
                                     and _TASK not in row
                                     and _ROLLOUT not in row
-                                    and dumps(row, option=opt) == fast
+                                    and written_as_read(row, fast)
                                 ):
                                     # json's text of the row is the line read: stamp the line, not a copy
                                     attempt = row.get(_ATTEMPT)
@@ -195,3 +195,12 @@ def _rows(
     if stop is not None and stop.is_set():
         raise Stopped("stopped")
     state.finish()
+
+
+def _written_as_read(row: Any, line: bytes) -> bool:
+    """Whether orjson's compact text of ``row`` is ``line``; False when orjson cannot write the row (nested
+    deeper than it writes: ``json`` then encodes the row's copy)."""
+    try:
+        return orjson.dumps(row, option=_PASSTHROUGH) == line
+    except orjson.JSONEncodeError:
+        return False

@@ -111,7 +111,10 @@ def _fast_decode(content: bytes, strict_json: bool) -> Any:
         row = orjson.loads(content)
     except orjson.JSONDecodeError:
         return _SLOW
-    again = orjson.dumps(row)
+    try:
+        again = orjson.dumps(row)
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes
+        return _SLOW
     if b"e1" in again or b"e2" in again or b"e3" in again:
         return _SLOW  # maybe an integer orjson read as a float
     if strict_json and (b"\\u003" in content or content.count(b":") != again.count(b":")):
@@ -373,7 +376,7 @@ def _plain_decode(content: bytes, strict_json: bool) -> Any:
     if strict_json:
         try:
             text = orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
-        except orjson.JSONEncodeError:  # pragma: no cover - orjson writes what it read
+        except orjson.JSONEncodeError:  # nested deeper than orjson writes
             return _SLOW
         if content.count(b":") != text.count(b":"):
             return _SLOW  # maybe a repeated key: the json decoder names it
