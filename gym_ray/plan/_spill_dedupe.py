@@ -223,17 +223,9 @@ def _merged_blocks(runs: list[Iterator[list[int]]]) -> Iterator[list[int]]:
 
 
 def _read_run(path: Path, offset: int = 0) -> Iterator[int]:
-    with path.open("rb") as src:
-        while True:
-            words = array(_U64)
-            try:
-                words.fromfile(src, 2 * _READ_BLOCK)
-            except EOFError:
-                pass  # the last, shorter block: fromfile keeps what it read
-            if not words:
-                return
-            for i in range(0, len(words), 2):
-                yield ((words[i] << 64) | words[i + 1]) + offset
+    """The values of a run file (each plus ``offset``), one at a time."""
+    for block in _run_blocks(path, offset):
+        yield from block
 
 
 _PREFIX = "gym_ray-dedupe-"
