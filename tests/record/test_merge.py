@@ -641,3 +641,39 @@ def test_a_process_pool_is_started_only_above_pool_min_bytes(
         with pytest.raises(_PoolAsked):
             merge_shards(tmp_path, workers=workers, pool_min_bytes=shard_bytes + threshold)
         assert asked == [(expected, "spawn")]  # spawn: a forked child would inherit the caller's threads
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        pytest.param([0, 1, 2, 3, 4, 5], id="label-order"),
+        pytest.param([5, 4, 3, 2, 1, 0], id="reversed"),
+        pytest.param([0, 1, 2, 5, 3, 4], id="out-of-order-midway"),
+        pytest.param([0, 1, None, 2, None, 3], id="empty-shards-between"),
+    ],
+)
+def test_disjoint_shards_are_concatenated_in_identity_order_whatever_their_labels(
+    tmp_path: Path, blocks: list[int | None], workers: int
+) -> None:
+    # Shard n holds the tasks of block blocks[n] (10 tasks each, a success and a failure-only identity per
+    # task, lines out of order) or nothing. The merge appends shards while their ranges rise in label
+    # order and concatenates again when they stop rising: the bytes are the reference merge's either way.
+    shards: list[list[dict[str, Any]]] = []
+    for number, block in enumerate(blocks):
+        records: list[dict[str, Any]] = []
+        if block is not None:
+            for task in range(block * 10 + 9, block * 10 - 1, -1):
+                records += [rec(task, 0, src=f"{number}"), fail(task, 1, 0, src=f"{number}")]
+        shards.append(records)
+        write_shard(tmp_path, f"s{number}", records)
+    result = merge_shards(tmp_path, workers=workers, pool_min_bytes=0)
+    expected_successes, expected_failures = _reference_merge(shards)
+    assert read(tmp_path / "rollouts.jsonl") == expected_successes
+    assert read(tmp_path / "rollouts_failures.jsonl") == expected_failures
+    assert counts_of(result) == tuple(_reference_counts(shards).values())
+    tasks = [
+        json.loads(line)["_ng_task_index"] for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()
+    ]
+    assert tasks == sorted(t for b in blocks if b is not None for t in range(10 * b, 10 * b + 10))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
