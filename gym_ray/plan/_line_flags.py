@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gym_ray._json import _DIGITS_AS_ZERO as _MARKS
-from gym_ray._json import _UNSURE
+from gym_ray._json import _unsure_number
 from gym_ray.plan._input_chunks import changed
 
 __all__ = ["PARSE", "STAMP_AS_READ", "LineFlags", "flags_path", "written_as_is"]
@@ -41,10 +41,12 @@ def flags_path(digests: Path) -> Path:
 
 def written_as_is(block: bytes) -> bool:
     """True when, for every row of ``block`` whose orjson text is its line, ``json``'s compact text is that
-    line too: the block holds none of the marks for which :func:`gym_ray._json.dumps_compact_lines` asks
-    ``json`` (an exponent, 17 digits in a row, ``0.0000``, ``null``)."""
-    marked = block.translate(_MARKS)
-    return not (b"0e" in marked or _UNSURE[1] in marked or b"0.0000" in marked or b"null" in marked)
+    line too: no number in the block is one ``json`` may write otherwise (an exponent, 17 or more integer
+    digits, 4 or more fraction digits; :func:`gym_ray._json._unsure_number`, which tells a number from a
+    look-alike in a string such as a hex id). A ``null`` needs no check here: a row read from a line whose
+    orjson text is that line holds no NaN or infinity (orjson would write ``null`` where the line has
+    ``NaN``), so each ``null`` is a None, which both write alike."""
+    return not _unsure_number(block.translate(_MARKS))
 
 
 class LineFlags:

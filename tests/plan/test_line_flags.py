@@ -53,11 +53,20 @@ def test_a_line_is_flagged_when_it_is_json_s_text_of_a_common_row_without_indice
     repeated = '{"responses_create_params":{"input":"r"},"agent_ref":{"name":"arith_agent"},"k":1,"k":1}'
     with pytest.raises(InputError, match="line 11: duplicate key 'k'"):
         _flags_of(tmp_path / "e", [*lines, repeated])
-    # "null" written as an escape: its digits read as an exponent mark ("006e"), so the block is not stamped
+    flagged = bytes([1, 0, 0, 0, 0, 1, 1, 0, 0, 1])
+    # "null" written as an escape: not json's text of the row, so that line is parsed; its "006e" is a
+    # look-alike of an exponent inside a string, which does not stop the block's other lines
     escaped = '{"responses_create_params":{"input":"\\u006eull"},"agent_ref":{"name":"arith_agent"}}'
-    assert _flags_of(tmp_path / "f", [*lines, escaped]) == bytes(11)
-    # a block holding a mark (null, an exponent, ...): json may write another text, so no line is flagged
-    assert _flags_of(tmp_path / "c", [*lines, json.dumps(_row("n", x=None))]) == bytes(11)
+    assert _flags_of(tmp_path / "f", [*lines, escaped]) == flagged + bytes(1)
+    # a null (a None: both encoders write it alike) does not stop the block's other lines (its own row is
+    # numbered by json's form of its content, so it is parsed), nor does a hex id (its own line is flagged)
+    with_null = json.dumps(_row("n", x=None), separators=(",", ":"))
+    hex_id = json.dumps(_row("h", id="resp_b3737001566e6a4c16f5a5ca"), separators=(",", ":"))
+    assert _flags_of(tmp_path / "c", [*lines, with_null, hex_id]) == flagged + bytes([0, 1])
+    # a number json may write otherwise (an exponent): no line of the block is flagged
+    assert _flags_of(
+        tmp_path / "g", [*lines, json.dumps(_row("e", x=1e-05), separators=(",", ":"))]
+    ) == bytes(11)
     # without strict_json the rows' digests are not taken from the duplicate-key check: nothing flagged
     assert _flags_of(tmp_path / "d", lines, strict_json=False) == bytes(10)
 
