@@ -16,7 +16,6 @@ forms).
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -34,7 +33,6 @@ from gym_ray.plan._stage import StampedLine
 from gym_ray.plan._validate_pass import preprocess_knobs
 from gym_ray.plan.load import MAX_LINE_BYTES, ReadWrapper, Stopped
 from gym_ray.plan.preprocess import TaskNumbering, _Preprocessor
-from gym_ray.plan.rows import shape_problem
 
 __all__ = ["proven_rows"]
 
@@ -89,7 +87,7 @@ def _rows(
     task_index, take, keys_seen = state.number, state.next_rollout.take, state.keys_seen
     expand = state.expand
     loads, decode_error, written_as_read = orjson.loads, orjson.JSONDecodeError, _written_as_read
-    slow, fast_decode, slow_decode = load._SLOW, load._fast_decode, load._slow_decode
+    slow, fast_decode, settle = load._SLOW, load._fast_decode, load.settled_row
     bom, digits_as_zero, nineteen = load._BOM, load._DIGITS_AS_ZERO, load._NINETEEN_DIGITS
     max_line, check_every = MAX_LINE_BYTES, load.STOP_CHECK_ROWS
     decoder = load._LENIENT_DECODER  # proven bytes: read as with strict_json off (pass 1 checked them)
@@ -132,14 +130,7 @@ def _rows(
                         row = slow
                 else:
                     row = fast_decode(fast, False)
-                if row is slow:
-                    row = slow_decode(
-                        content, line_no, decoder, functools.partial(load._line_error, name, line_no)
-                    )
-                if type(row) is not dict or _TASK_ID in row or type(row.get(_PARAMS)) is not dict:
-                    problem = shape_problem(row)
-                    if problem is not None:
-                        raise load._line_error(name, line_no, f"the row {problem}")
+                row = settle(row, content, name, line_no, decoder)
                 # ... the stop is looked at (load.until_stopped's steps) ...
                 if stop is not None and not pos % check_every and stop.is_set():
                     raise Stopped("stopped")

@@ -16,7 +16,6 @@ check encoded (as :func:`gym_ray.plan.load.sorted_text` hands it to the general 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import threading
@@ -33,7 +32,6 @@ from gym_ray.plan._line_flags import PARSE, STAMP_AS_READ, written_as_is
 from gym_ray.plan._validate_pass import RowsInvalid, preprocess_knobs
 from gym_ray.plan.load import MAX_LINE_BYTES, ReadWrapper, Stopped
 from gym_ray.plan.preprocess import TaskNumbering, _Preprocessor
-from gym_ray.plan.rows import shape_problem
 from gym_ray.plan.validation import _Validator
 
 if TYPE_CHECKING:  # the range process imports this module without pydantic
@@ -145,7 +143,7 @@ def _count(
     )
     encode_error = orjson.JSONEncodeError
     blake2b, from_bytes = hashlib.blake2b, int.from_bytes
-    slow, fast_decode, slow_decode = load._SLOW, load._fast_decode, load._slow_decode
+    slow, fast_decode, settle = load._SLOW, load._fast_decode, load.settled_row
     bom, digits_as_zero, nineteen = load._BOM, load._DIGITS_AS_ZERO, load._NINETEEN_DIGITS
     max_line, check_every = MAX_LINE_BYTES, load.STOP_CHECK_ROWS
     decoder = load._STRICT_DECODER if strict else load._LENIENT_DECODER
@@ -188,14 +186,7 @@ def _count(
                                 row, text = slow, None  # maybe a repeated key: the json decoder names it
             else:
                 row = fast_decode(fast, strict)
-            if row is slow:
-                row = slow_decode(
-                    content, line_no, decoder, functools.partial(load._line_error, name, line_no)
-                )
-            if type(row) is not dict or _TASK_ID in row or type(row.get(_PARAMS)) is not dict:
-                problem = shape_problem(row)
-                if problem is not None:
-                    raise load._line_error(name, line_no, f"the row {problem}")
+            row = settle(row, content, name, line_no, decoder)
             # ... the stop is looked at (load.until_stopped's steps) ...
             if stop is not None and not pos % check_every and stop.is_set():
                 raise Stopped("stopped")

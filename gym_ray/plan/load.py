@@ -302,15 +302,25 @@ def _read_rows(
                 raise _line_error(name, line_no, _too_long(max_line_bytes))
             fast = content[3:] if line_no == 1 and content.startswith(_BOM) else content
             row = _plain_decode(fast, strict_json) if plain else _fast_decode(fast, strict_json)
-            if row is _SLOW:
-                fail = functools.partial(_line_error, name, line_no)
-                row = _slow_decode(content, line_no, decoder, fail)
-            # a plain flat row (the common shape) has no shape problem: skip the general check
-            if type(row) is not dict or _TASK_ID in row or type(row.get(_PARAMS)) is not dict:
-                problem = shape_problem(row)
-                if problem is not None:
-                    raise _line_error(name, line_no, f"the row {problem}")
-            yield row
+            yield settled_row(row, content, name, line_no, decoder)
+
+
+def settled_row(row: Any, content: bytes, name: str, line_no: int, decoder: json.JSONDecoder) -> Any:
+    """The end of reading line ``line_no`` (``content``) of input ``name``: a row the fast decoders left to
+    ``json`` (:data:`_SLOW`) is read by ``decoder``, and a row of any shape but the common flat one is
+    checked (:func:`shape_problem`). Every loop that reads input lines ends each line with it.
+
+    Raises:
+        InputError: The line is not JSON or not a row (names the file and the line).
+    """
+    if row is _SLOW:
+        row = _slow_decode(content, line_no, decoder, functools.partial(_line_error, name, line_no))
+    # a plain flat row (the common shape) has no shape problem: skip the general check
+    if type(row) is not dict or _TASK_ID in row or type(row.get(_PARAMS)) is not dict:
+        problem = shape_problem(row)
+        if problem is not None:
+            raise _line_error(name, line_no, f"the row {problem}")
+    return row
 
 
 def _too_long(max_line_bytes: int) -> str:
