@@ -19,12 +19,11 @@ from gym_ray.plan._spill_dedupe import RangeRecorder, SpillDedupe
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows
 from gym_ray.plan.first_pass import adopt_parts
 from gym_ray.plan.load import load_jsonl
-from gym_ray.plan.run_manifest import read_run_manifest
 from gym_ray.plan.shards import prepare_run
-from gym_ray.record.manifest import read_manifest
 from gym_ray.servers import load_bundled_config
 from tests.main_script import run_as_main_script
 from tests.plan.test_common_rows import _config, _row
+from tests.plan.test_valid_lines import _planned
 
 
 def _adopted_ranges(run: RunConfig, dedupe: SpillDedupe) -> int | None:
@@ -62,20 +61,6 @@ def _lines(copies: int) -> list[str]:
     for i in range(copies):
         out.extend(json.dumps(r, ensure_ascii=False) for r in _varied_rows())
         out.extend(json.dumps(_row(f"d{i}-{j}")) for j in range(3))
-    return out
-
-
-def _planned(tmp_path: Path, name: str, input_path: Path, **extra: Any) -> list[Any]:
-    """Every planned byte that does not carry the (random) run id: shard inputs, digests, counts."""
-    plan = prepare_run(_config(tmp_path, name, input_path, **extra))
-    run = read_run_manifest(tmp_path / name)
-    assert run is not None
-    out: list[Any] = [(run["num_shards"], run["planned"], run["run_rows"], run["shard_size"])]
-    for spec in plan.shards:
-        manifest = read_manifest(tmp_path / name, spec.shard)
-        assert manifest is not None
-        inputs = tmp_path / name / f"rollouts-{spec.shard}_materialized_inputs.jsonl"
-        out.append((spec.shard, spec.num_rows, spec.run_rows, inputs.read_bytes(), manifest.inputs_digest))
     return out
 
 

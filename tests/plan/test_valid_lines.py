@@ -220,7 +220,16 @@ def _planned(tmp_path: Path, name: str, input_path: Path, **extra: Any) -> list[
         manifest = read_manifest(tmp_path / name, spec.shard)
         assert manifest is not None
         inputs = tmp_path / name / f"rollouts-{spec.shard}_materialized_inputs.jsonl"
-        out.append((spec.shard, inputs.read_bytes(), manifest.inputs_digest, manifest.attempt_plan))
+        out.append(
+            (
+                spec.shard,
+                spec.num_rows,
+                spec.run_rows,
+                inputs.read_bytes(),
+                manifest.inputs_digest,
+                manifest.attempt_plan,
+            )
+        )
     return out
 
 
