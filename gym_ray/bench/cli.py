@@ -75,14 +75,26 @@ def bench_args(parser: argparse.ArgumentParser) -> None:
 
 def bench_main(args: argparse.Namespace) -> int:
     """Run the chosen scenario; prints its figures as JSON. Returns 0 (``chaos``: 1 when a scenario
-    failed)."""
+    failed).
+
+    First measures what memory never used before costs on this machine (:mod:`gym_ray.bench.machine`): it
+    goes into the figures as ``"machine"`` and, when high, a warning goes to stderr.
+    """
+    import sys
+
+    from gym_ray.bench.machine import fresh_memory_note, machine_figures
+
+    machine = machine_figures()
+    note = fresh_memory_note(machine["fresh_memory_us_per_page"])
+    if note is not None:
+        print(note, file=sys.stderr)
     result: dict[str, Any]
     if args.scenario == "chaos":
         from gym_ray.bench.chaos import CHAOS_SCENARIOS, run_chaos_bench
 
         names = CHAOS_SCENARIOS if args.scenarios is None else tuple(args.scenarios.split(","))
         result = run_chaos_bench(names, rows=2000 if args.n is None else args.n, outage_s=args.outage_s)
-        print(json.dumps(result, indent=2))
+        print(json.dumps({**result, "machine": machine}, indent=2))
         return 0 if result["passed"] else 1
     if args.n is None and args.scenario != "merge":
         args.n = 20000
@@ -128,5 +140,5 @@ def bench_main(args: argparse.Namespace) -> int:
         from gym_ray.bench.tracing_bench import run_tracing_bench  # type: ignore[import-not-found,unused-ignore]
 
         result = run_tracing_bench(args.n, args.concurrency)
-    print(json.dumps(result, indent=2))
+    print(json.dumps({**result, "machine": machine}, indent=2))
     return 0
