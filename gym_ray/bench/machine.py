@@ -5,9 +5,10 @@ page the kernel hands out for the first time costs a trip to the host: ~10 us he
 class, against ~1.3 us (the fault and the zeroing) for a page touched before and handed out again.
 Everything that grows memory pays it: page cache for written files, Python heaps, new processes. December 2
 on such a VM, writing 316 MB to a new file took 0.78-0.82 s of CPU on fresh pages and 0.06 s once the VM's
-memory had been touched once, and the merge benchmark went from 510k to 1.26-1.30M lines/s. Such a cost belongs to the machine, not to the code measured, so
-each bench run measures it first (:func:`fresh_memory_us_per_page`), reports it in its figures
-(``"machine"``) and warns on stderr when it is high (:func:`fresh_memory_note`).
+memory had been touched once, and the merge benchmark went from 510k to 1.26-1.30M lines/s. Such a cost
+belongs to the machine, not to the code measured, so each bench run measures it first
+(:func:`fresh_memory_us_per_page`), reports it in its figures (``"machine"``) and warns on stderr when it is
+high (:func:`fresh_memory_note`).
 
 The probe maps fresh anonymous memory and writes one byte per page. The kernel may serve it from pages
 touched before while pages never touched remain elsewhere, so a low figure says the probe's pages were
