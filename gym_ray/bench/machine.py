@@ -18,6 +18,8 @@ cheap, a high one that the machine still hands out fresh pages at that cost.
 from __future__ import annotations
 
 import mmap
+import subprocess
+import sys
 import time
 
 __all__ = ["PROBE_MB", "SLOW_US_PER_PAGE", "fresh_memory_note", "fresh_memory_us_per_page", "machine_figures"]
@@ -56,5 +58,9 @@ def fresh_memory_note(us_per_page: float) -> str | None:
 
 
 def machine_figures() -> dict[str, float]:
-    """The ``"machine"`` entry of a bench result."""
-    return {"fresh_memory_us_per_page": round(fresh_memory_us_per_page(), 3)}
+    """The ``"machine"`` entry of a bench result, probed in a child process: touching the probe's memory in
+    the bench's own process would raise its peak RSS (``VmHWM``, which a forked child inherits) and so
+    every memory figure measured after it."""
+    probe = "from gym_ray.bench import machine; print(machine.fresh_memory_us_per_page())"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return {"fresh_memory_us_per_page": round(float(done.stdout), 3)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,22 @@ def test_the_probe_times_each_page_of_fresh_memory() -> None:
     cost = machine.fresh_memory_us_per_page(8)
     assert math.isfinite(cost)
     assert cost > 0
+
+
+def test_the_probe_runs_in_a_child_so_the_bench_process_keeps_its_peak_rss() -> None:
+    before = _peak_kib()
+    figures = machine.machine_figures()
+    assert set(figures) == {"fresh_memory_us_per_page"}
+    assert figures["fresh_memory_us_per_page"] > 0
+    # the probe touches 256 MiB: had it run here, this process's high-water mark would have grown by that
+    assert _peak_kib() - before < 16 * 1024
+
+
+def _peak_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM in /proc/self/status")
 
 
 def test_a_cheap_machine_gets_no_warning_and_a_slow_one_gets_one_line() -> None:
@@ -35,7 +52,7 @@ def test_bench_figures_carry_the_machine_probe_and_a_slow_machine_is_named_on_st
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A fresh VM cannot be had on demand: the probe's figure is the only thing replaced here
-    monkeypatch.setattr(machine, "fresh_memory_us_per_page", lambda mb=machine.PROBE_MB: 9.84)
+    monkeypatch.setattr(machine, "machine_figures", lambda: {"fresh_memory_us_per_page": 9.84})
     parser = argparse.ArgumentParser()
     bench_args(parser)
     assert bench_main(parser.parse_args(["merge", "-n", "200", "--shards", "2"])) == 0
