@@ -13,7 +13,12 @@ GCS, raylet, agents, every actor) and records:
 - ``peak_tree_pss_mb``: the largest sum of proportional set sizes at one sample (each shared page split
   between the processes that map it: what the tree costs the machine; pages shared with processes outside
   the tree, such as another Ray on the same machine, count only in part);
-- ``peak_processes``: the most processes the tree had at one sample.
+- ``peak_processes``: the most processes the tree had at one sample;
+- ``cpu_by_role_s``: ``cpu_s`` split by what each process is (:func:`process_role`): the ``caller`` (the
+  ``gym-ray run`` process itself), the run's ``host`` actor, its ``workers``, ``ray`` (Ray's own processes:
+  GCS, raylet, its agents, idle workers) and ``helpers`` (the merge's sorting pool, planning's byte-range
+  process). A process is named by its latest sample: an actor process shows Ray's worker script until its
+  actor renames it.
 
 From two sizes ``a < b`` a straight line ``cost(n) = fixed + n * per_rollout`` is fitted for wall and CPU:
 ``per_rollout = (cost(b) - cost(a)) / (b - a)`` and ``fixed = cost(a) - a * per_rollout``, so Ray's start-up
@@ -38,11 +43,37 @@ import yaml
 from gym_ray.bench.collect_memory import write_input
 from gym_ray.bench.dispatch import serve_bench_server
 
-__all__ = ["measure_tree", "run_ray_vs_local_bench"]
+__all__ = ["ROLES", "measure_tree", "process_role", "run_ray_vs_local_bench"]
 
 #: Seconds between two samples of a child's process tree.
 SAMPLE_S = 0.2
 _MB = 1024 * 1024
+#: The roles of :func:`process_role`, in the order the figures list them.
+ROLES = ("caller", "host", "workers", "ray", "helpers")
+#: Ray's own executables (GCS, raylet) by file name.
+_RAY_EXECUTABLES = frozenset({"gcs_server", "raylet"})
+#: Ray's Python scripts (a worker process before its actor renames it, the two agents) by file name.
+_RAY_SCRIPTS = ("default_worker.py", "agent.py", "main.py")
+
+
+def process_role(cmdline: list[str], *, is_root: bool) -> str:
+    """One of :data:`ROLES` for a process of a run's tree, from its command line.
+
+    Ray renames an actor's process ``ray::<Class>`` (``ray::<Class>.<method>`` while a method runs), an idle
+    worker ``ray::IDLE`` and its agents ``ray::DashboardAgent`` / ``ray::RuntimeEnvAgent``; before its actor
+    renames it, a worker process shows Ray's ``default_worker.py``.
+    """
+    if is_root:
+        return "caller"
+    first = cmdline[0] if cmdline else ""
+    if first.startswith("ray::"):
+        actor = first[len("ray::") :].split(".", 1)[0].split(" ", 1)[0]
+        return {"RunHost": "host", "RolloutWorker": "workers"}.get(actor, "ray")
+    if os.path.basename(first) in _RAY_EXECUTABLES or any(
+        "/ray/" in part and part.endswith(_RAY_SCRIPTS) for part in cmdline[:3]
+    ):
+        return "ray"
+    return "helpers"
 
 
 class _TreeSampler:
@@ -51,6 +82,7 @@ class _TreeSampler:
     def __init__(self, root: int) -> None:
         self._root = root
         self._cpu: dict[int, float] = {}
+        self._role: dict[int, str] = {}
         self.peak_rss = 0
         self.peak_pss = 0
         self.peak_processes = 0
@@ -68,6 +100,12 @@ class _TreeSampler:
     @property
     def cpu_s(self) -> float:
         return sum(self._cpu.values())
+
+    def cpu_by_role_s(self) -> dict[str, float]:
+        split = dict.fromkeys(ROLES, 0.0)
+        for pid, cpu in self._cpu.items():
+            split[self._role[pid]] += cpu
+        return {role: round(cpu, 3) for role, cpu in split.items()}
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -87,12 +125,14 @@ class _TreeSampler:
                 with proc.oneshot():
                     times = proc.cpu_times()
                     memory = proc.memory_full_info()  # smaps_rollup: PSS as well as RSS
+                    role = process_role(proc.cmdline(), is_root=proc.pid == self._root)
             except psutil.Error:
                 continue
             rss += memory.rss
             pss += getattr(memory, "pss", memory.rss)  # PSS is Linux-only; elsewhere RSS stands in
             alive += 1
             self._cpu[proc.pid] = times.user + times.system
+            self._role[proc.pid] = role
         self.peak_rss = max(self.peak_rss, rss)
         self.peak_pss = max(self.peak_pss, pss)
         self.peak_processes = max(self.peak_processes, alive)
@@ -120,6 +160,7 @@ def measure_tree(command: list[str], *, env: dict[str, str], cwd: Path) -> dict[
         "peak_tree_rss_mb": round(sampler.peak_rss / _MB, 1),
         "peak_tree_pss_mb": round(sampler.peak_pss / _MB, 1),
         "peak_processes": sampler.peak_processes,
+        "cpu_by_role_s": sampler.cpu_by_role_s(),
     }
 
 
