@@ -17,8 +17,8 @@ GCS, raylet, agents, every actor) and records:
 - ``cpu_by_role_s``: ``cpu_s`` split by what each process is (:func:`process_role`): the ``caller`` (the
   ``gym-ray run`` process itself), the run's ``host`` actor, its ``workers``, ``ray`` (Ray's own processes:
   GCS, raylet, its agents, idle workers) and ``helpers`` (the merge's sorting pool, planning's byte-range
-  process). A process is named by its latest sample: an actor process shows Ray's worker script until its
-  actor renames it.
+  process). A process is named by its latest sample that shows a command line (an exiting one shows none):
+  an actor process shows Ray's worker script until its actor renames it.
 
 From two sizes ``a < b`` a straight line ``cost(n) = fixed + n * per_rollout`` is fitted for wall and CPU:
 ``per_rollout = (cost(b) - cost(a)) / (b - a)`` and ``fixed = cost(a) - a * per_rollout``, so Ray's start-up
@@ -125,14 +125,15 @@ class _TreeSampler:
                 with proc.oneshot():
                     times = proc.cpu_times()
                     memory = proc.memory_full_info()  # smaps_rollup: PSS as well as RSS
-                    role = process_role(proc.cmdline(), is_root=proc.pid == self._root)
+                    cmdline = proc.cmdline()
             except psutil.Error:
                 continue
             rss += memory.rss
             pss += getattr(memory, "pss", memory.rss)  # PSS is Linux-only; elsewhere RSS stands in
             alive += 1
             self._cpu[proc.pid] = times.user + times.system
-            self._role[proc.pid] = role
+            if cmdline or proc.pid not in self._role:  # an exiting process shows no command line
+                self._role[proc.pid] = process_role(cmdline, is_root=proc.pid == self._root)
         self.peak_rss = max(self.peak_rss, rss)
         self.peak_pss = max(self.peak_pss, pss)
         self.peak_processes = max(self.peak_processes, alive)
