@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import heapq
 import itertools
 import operator
 import os
@@ -99,7 +98,7 @@ class _Spiller:
 
     def _spill(self) -> None:
         self._buffer.sort()
-        self._runs.append((self._write_run(self._buffer), 0))
+        self._runs.append((self._write_run([self._buffer]), 0))
         self._buffer = []
 
     def spilled(self) -> list[Path]:
@@ -112,48 +111,32 @@ class _Spiller:
         """Take a sorted run file written by another spiller; ``offset`` is added to each of its values."""
         self._runs.append((path, offset))
 
-    def _write_run(self, values: Iterable[int]) -> Path:
+    def _write_run(self, blocks: Iterable[list[int]]) -> Path:
+        """A run file of the ascending values of ``blocks`` (both halves of a block's values at once)."""
         path = self._folder / f"{self._name}-{self._written:06d}.run"
         self._written += 1
         with path.open("wb") as out:
-            if isinstance(values, list):  # a buffer: both halves of a block of values at once
+            for values in blocks:
                 for at in range(0, len(values), _READ_BLOCK):
                     block = values[at : at + _READ_BLOCK]
                     words = array(_U64, bytes(16 * len(block)))
                     words[0::2] = array(_U64, [value >> 64 for value in block])
                     words[1::2] = array(_U64, [value & _U64_MASK for value in block])
                     words.tofile(out)
-                return path
-            words = array(_U64)
-            for value in values:
-                words.append(value >> 64)
-                words.append(value & _U64_MASK)
-                if len(words) >= 2 * _READ_BLOCK:
-                    words.tofile(out)
-                    words = array(_U64)
-            words.tofile(out)
         return path
 
     def sorted(self) -> Iterator[int]:
         """Every value added, ascending (duplicates kept). Call once, after the last :meth:`add`."""
-        if not self._runs:
-            values, self._buffer = self._buffer, []
-            values.sort()
-            return iter(values)
-        if self._buffer:
-            self._spill()
-        while len(self._runs) > _FAN_IN:  # merge in rounds: at most _FAN_IN files open at once
-            group, self._runs = self._runs[:_FAN_IN], self._runs[_FAN_IN:]
-            merged = heapq.merge(*(_read_run(path, offset) for path, offset in group))
-            self._runs.append((self._write_run(merged), 0))
-            for path, _offset in group:
-                path.unlink()
-        return heapq.merge(*(_read_run(path, offset) for path, offset in self._runs))
+        return itertools.chain.from_iterable(self.sorted_blocks())
 
     def sorted_blocks(self) -> Iterator[list[int]]:
         """Every value added, ascending, as lists whose concatenation is :meth:`sorted`'s sequence (the
         merge takes a block of each run at a time: a C sort of sorted pieces, not a Python step per value).
-        Call once, after the last add."""
+        Call once, after the last add.
+
+        More than :data:`_FAN_IN` run files are merged in rounds first, :data:`_FAN_IN` at a time into one
+        new run file each, so that at most :data:`_FAN_IN` files are open at once.
+        """
         if not self._runs:
             values, self._buffer = self._buffer, []
             values.sort()
@@ -162,16 +145,12 @@ class _Spiller:
             return
         if self._buffer:
             self._spill()
-        if len(self._runs) > _FAN_IN:  # the rounds of sorted(), then one merge of what is left
-            yield from _in_blocks(self.sorted())
-            return
+        while len(self._runs) > _FAN_IN:
+            group, self._runs = self._runs[:_FAN_IN], self._runs[_FAN_IN:]
+            self._runs.append((self._write_run(_merged_blocks([_run_blocks(*run) for run in group])), 0))
+            for path, _offset in group:
+                path.unlink()
         yield from _merged_blocks([_run_blocks(path, offset) for path, offset in self._runs])
-
-
-def _in_blocks(values: Iterator[int]) -> Iterator[list[int]]:
-    """``values`` cut into lists of up to :data:`_READ_BLOCK`."""
-    while block := list(itertools.islice(values, _READ_BLOCK)):
-        yield block
 
 
 def _run_blocks(path: Path, offset: int = 0) -> Iterator[list[int]]:
@@ -220,12 +199,6 @@ def _merged_blocks(runs: list[Iterator[list[int]]]) -> Iterator[list[int]]:
         heads = kept
         merged.sort()  # sorted pieces: timsort merges them
         yield merged
-
-
-def _read_run(path: Path, offset: int = 0) -> Iterator[int]:
-    """The values of a run file (each plus ``offset``), one at a time."""
-    for block in _run_blocks(path, offset):
-        yield from block
 
 
 _PREFIX = "gym_ray-dedupe-"
