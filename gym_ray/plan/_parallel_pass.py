@@ -20,8 +20,9 @@ caller validates in one process.
 
 When: the input is a file, ``limit`` is unset, no knob rewrites rows (the common-row pass applies), the
 file has at least :data:`MIN_PARALLEL_BYTES` (a spawned process costs about a second of start-up), this
-process may start children (not a daemon) and has >= 2 CPUs. :data:`PROCESSES` forces a number of ranges
-(tests); it is no config key.
+process may start children (not a daemon) and has >= 2 CPUs. Processes: one per CPU this process may use, at
+most :data:`MAX_PROCESSES` and at most one per :data:`MIN_RANGE_BYTES` of the file. :data:`PROCESSES` forces a
+number of ranges (tests); it is no config key.
 
 Concurrency: every child is owned by the call: started in it, and terminated (if still running) and
 joined before it returns or raises, KeyboardInterrupt included. Children import only the planning modules
@@ -50,12 +51,22 @@ from gym_ray.plan._spill_dedupe import RecordedPart
 from gym_ray.plan._validate_pass import RowsInvalid, preprocess_knobs
 from gym_ray.plan.preprocess import _Preprocessor
 
-__all__ = ["MAX_PROCESSES", "MIN_PARALLEL_BYTES", "PROCESSES", "CountedPart", "split_ranges", "valid_ranges"]
+__all__ = [
+    "MAX_PROCESSES",
+    "MIN_PARALLEL_BYTES",
+    "MIN_RANGE_BYTES",
+    "PROCESSES",
+    "CountedPart",
+    "split_ranges",
+    "valid_ranges",
+]
 
 #: Smallest input file validated in several processes (smaller ones: spawning costs more than it saves).
 MIN_PARALLEL_BYTES = 64 * 1024 * 1024
+#: Fewest input bytes per process: a file of ``n`` times this is validated in at most ``n`` processes.
+MIN_RANGE_BYTES = MIN_PARALLEL_BYTES // 2
 #: Most processes (this one included) one validation pass uses.
-MAX_PROCESSES = 2
+MAX_PROCESSES = 16
 #: When set, the number of ranges whatever the file's size and the CPUs (tests force parallel passes).
 PROCESSES: int | None = None
 
@@ -117,7 +128,7 @@ def _planned_ranges(settings: RunSettings, topology: Topology) -> list[tuple[int
     if parts is None:
         if size < MIN_PARALLEL_BYTES:
             return []
-        parts = min(MAX_PROCESSES, _usable_cpus())
+        parts = min(MAX_PROCESSES, _usable_cpus(), size // MIN_RANGE_BYTES)
     if parts < 2 or not _rows_kept(settings, topology):
         return []
     ranges = split_ranges(str(path), parts)

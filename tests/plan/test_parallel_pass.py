@@ -3,6 +3,7 @@ plans (shard files, manifests), and refuses a bad row with exactly its error (th
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 from multiprocessing.connection import Connection
@@ -261,3 +262,34 @@ def test_the_range_process_does_not_run_the_main_script_again(tmp_path: Path) ->
     report, pids = run_as_main_script(tmp_path, RANGE_SCRIPT, str(tmp_path))
     assert report["rows"] == len(_lines(2))  # validated over two byte ranges, one in a spawned process
     assert pids == [report["pid"]]
+
+
+@pytest.mark.parametrize(
+    ("cpus", "file_ranges", "expected"),
+    [
+        (2, 40, 2),  # this machine: both CPUs
+        (64, 40, 16),  # a large machine: MAX_PROCESSES
+        (64, 5, 5),  # a large machine, a smaller file: one process per MIN_RANGE_BYTES
+        (8, 1, 0),  # under MIN_PARALLEL_BYTES: one process
+        (1, 40, 0),  # one CPU: one process
+    ],
+)
+def test_the_pass_takes_one_process_per_cpu_bounded_by_the_cap_and_the_file_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, file_ranges: int, expected: int
+) -> None:
+    # sizes scaled down (a range's worth of bytes is 1 KiB here); the CPU count is the only thing faked
+    monkeypatch.setattr(_parallel_pass, "MIN_RANGE_BYTES", 1024)
+    monkeypatch.setattr(_parallel_pass, "MIN_PARALLEL_BYTES", 2048)
+    monkeypatch.setattr(_parallel_pass, "_usable_cpus", lambda: cpus)
+    input_path = tmp_path / "rows.jsonl"
+    lines: list[str] = []
+    while sum(len(line) + 1 for line in lines) < file_ranges * 1024 + 512:
+        lines.append(json.dumps(_row(f"q{len(lines)}")))
+    _write(input_path, lines)
+    run = _config(tmp_path, "unused", input_path)
+    ranges = _parallel_pass._planned_ranges(run.settings, run.topology)
+    assert len(ranges) == expected
+    if ranges:
+        assert ranges[0][0] == 0
+        assert ranges[-1][1] == input_path.stat().st_size
+        assert all(end == start for (_, end), (start, _) in itertools.pairwise(ranges))
