@@ -85,7 +85,8 @@ def bench_main(args: argparse.Namespace) -> int:
     from gym_ray.bench.machine import fresh_memory_note, machine_figures
 
     machine = machine_figures()
-    note = fresh_memory_note(machine["fresh_memory_us_per_page"])
+    cost = machine["fresh_memory_us_per_page"]
+    note = None if cost is None else fresh_memory_note(cost)
     if note is not None:
         print(note, file=sys.stderr)
     result: dict[str, Any]

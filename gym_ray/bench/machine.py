@@ -57,10 +57,14 @@ def fresh_memory_note(us_per_page: float) -> str | None:
     )
 
 
-def machine_figures() -> dict[str, float]:
+def machine_figures() -> dict[str, float | None]:
     """The ``"machine"`` entry of a bench result, probed in a child process: touching the probe's memory in
     the bench's own process would raise its peak RSS (``VmHWM``, which a forked child inherits) and so
-    every memory figure measured after it."""
+    every memory figure measured after it. None when the probe could not run (e.g. no 256 MiB to map)."""
     probe = "from gym_ray.bench import machine; print(machine.fresh_memory_us_per_page())"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    return {"fresh_memory_us_per_page": round(float(done.stdout), 3)}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    try:
+        cost: float | None = round(float(done.stdout), 3) if done.returncode == 0 else None
+    except ValueError:
+        cost = None
+    return {"fresh_memory_us_per_page": cost}

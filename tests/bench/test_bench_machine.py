@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,8 @@ def test_bench_figures_carry_the_machine_probe_and_a_slow_machine_is_named_on_st
     assert result["machine"] == {"fresh_memory_us_per_page": 9.84}
     assert result["rows"] == 200
     assert err == machine.fresh_memory_note(9.84) + "\n"
+
+
+def test_a_probe_that_cannot_run_reports_none_and_the_bench_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the child exits 1 before probing
+    assert machine.machine_figures() == {"fresh_memory_us_per_page": None}
