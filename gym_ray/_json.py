@@ -1,8 +1,10 @@
 """orjson where its result is provably what the stdlib ``json`` module gives; ``json`` everywhere else.
 
-gym_ray's files and wire bytes are defined by ``json`` (compact separators, ``ensure_ascii=False``; the
-metrics file with ``indent=2``), and its readers by ``json.loads``. orjson is several times faster; where
-it could differ, the caller falls back to ``json``, so no byte written and no value read changes:
+gym_ray's files are defined by ``json`` (compact separators, ``ensure_ascii=False``; the metrics file with
+``indent=2``), and its readers by ``json.loads``. (Request bodies are ``json``'s compact form with
+``ensure_ascii=True``, what NeMo Gym's client sends: ``dispatch/client.py`` writes them with ``json``.)
+orjson is several times faster; where it could differ, the caller falls back to ``json``, so no byte
+written and no value read changes:
 
 - **Encoding.** orjson writes floats that Python writes with an exponent (``1e-05``, ``1e+16``) in its own
   form, writes NaN and infinities as ``null``, and serializes a few types ``json`` refuses (it is told to
@@ -11,9 +13,9 @@ it could differ, the caller falls back to ``json``, so no byte written and no va
   has an exponent, 17 or more integer digits or 4 or more fraction digits, or when it holds a ``null``
   that is not a None; everything else it writes exactly as ``json`` does (strings, escapes, key order,
   integers, floats in positional form). A cheap scan (digits mapped to ``0``: ``0e``, 17 zeros,
-  ``0.0000``) finds candidates anywhere in the text, strings included; only then does a regular
-  expression look at the numbers themselves (a token after ``:``, ``,``, ``[`` or a newline; indented,
-  also a space), so a string such as a hex id (``resp_6e6a...``) does not send a record to ``json``.
+  ``0.0000``) finds candidates anywhere in the text, strings included; only then is each candidate's run
+  of digits checked to be a number (a token after ``:``, ``,``, ``[`` or a newline; indented, also a
+  space), so a string such as a hex id (``resp_6e6a...``) does not send a record to ``json``.
   orjson refuses integers past 64 bits, lone surrogates, non-string keys and circular values: ``json``
   then writes or raises.
 - **Decoding.** orjson accepts no text ``json.loads`` refuses, and reads the same values, except integers

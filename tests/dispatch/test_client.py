@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import pickle
 import random
 import socket
@@ -169,6 +170,27 @@ async def test_post_json_round_trip(body: Any) -> None:
             == body
         )
     assert seen == [("POST", "application/json", "t1", 1)]
+
+
+async def test_post_json_sends_the_bytes_json_dumps_gives_with_ascii_escapes() -> None:
+    """What NeMo Gym's client sends: compact, non-ASCII and DEL escaped, floats as Python writes them."""
+    bodies = [
+        {"input": "What is 2 + 3?", "n": 1, "x": 0.5, "ok": True, "none": None},
+        {"input": "caf\u00e9 \U0001f600 \x7f", "big": 1e-05, "long": 12345678901234567890},
+        [float("nan"), None, {"k": [1.0, 2.5e16]}],
+        {"input": "ASCII but DEL: \x7f"},
+    ]
+    received: list[bytes] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        received.append(await request.read())
+        return web.json_response({"ok": True})
+
+    async with serve(handler) as url, ServerClient() as client:
+        for body in bodies:
+            await client.post_json(url, "/run", body)
+    assert received == [json.dumps(body, separators=(",", ":")).encode("ascii") for body in bodies]
+    assert received[1].startswith(b'{"input":"caf\\u00e9 \\ud83d\\ude00 \\u007f","big":1e-05,')
 
 
 async def test_get_json_and_instance_names_resolve_through_the_topology() -> None:
