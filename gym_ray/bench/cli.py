@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 SCENARIOS = (
@@ -80,8 +81,6 @@ def bench_main(args: argparse.Namespace) -> int:
     First measures what memory never used before costs on this machine (:mod:`gym_ray.bench.machine`): it
     goes into the figures as ``"machine"`` and, when high, a warning goes to stderr.
     """
-    import sys
-
     from gym_ray.bench.machine import fresh_memory_note, machine_figures
 
     machine = machine_figures()

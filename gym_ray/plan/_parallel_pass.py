@@ -46,7 +46,7 @@ from typing import Any
 from gym_ray._spawn import main_script_not_rerun
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
-from gym_ray.plan._range_child import count_range, range_child
+from gym_ray.plan._range_child import RangeJob, count_range, range_child
 from gym_ray.plan._spill_dedupe import RecordedPart
 from gym_ray.plan._validate_pass import RowsInvalid, preprocess_knobs
 from gym_ray.plan.preprocess import _Preprocessor
@@ -167,18 +167,27 @@ def valid_ranges(
     ranges = _planned_ranges(settings, topology)
     if not ranges:
         return None
-    path = str(settings.input_jsonl_fpath)
-    knobs, strict = preprocess_knobs(settings), settings.strict_json  # plain data for the processes
     ctx = multiprocessing.get_context("spawn")
     children: list[tuple[Any, Connection]] = []
     where = tempfile.mkdtemp(prefix="ranges-", dir=folder)
+    first, *rest = ranges
+    # plain data for the processes
+    job = RangeJob(
+        str(settings.input_jsonl_fpath),
+        *first,
+        preprocess_knobs(settings),
+        settings.strict_json,
+        topology,
+        where,
+        "range-0000",
+    )
     finished = False
     try:
-        for k, (start, end) in enumerate(ranges[1:], start=1):
+        for k, (start, end) in enumerate(rest, start=1):
             receiver, sender = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=range_child,  # a module that imports neither pydantic nor the settings
-                args=(sender, path, start, end, knobs, strict, topology, where, f"range-{k:04d}"),
+                args=(sender, job._replace(start=start, end=end, name=f"range-{k:04d}")),
                 name=f"gym_ray-validate-range-{k}",
                 daemon=True,
             )
@@ -188,7 +197,7 @@ def valid_ranges(
                     proc.start()
             finally:
                 sender.close()
-        results = [count_range(path, *ranges[0], knobs, strict, topology, where, "range-0000", stop)]
+        results = [count_range(job, stop)]
         for child, receiver in children:
             try:
                 kind, outcome = receiver.recv()

@@ -14,7 +14,7 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, InternalError
@@ -22,39 +22,43 @@ from gym_ray.plan._spill_dedupe import RangeRecorder
 from gym_ray.plan._valid_lines import count_lines
 from gym_ray.plan._validate_pass import RowsInvalid
 
-__all__ = ["count_range", "range_child"]
+__all__ = ["RangeJob", "count_range", "range_child"]
 
 
-def count_range(
-    path: str,
-    start: int,
-    end: int,
-    knobs: dict[str, Any],
-    strict_json: bool,
-    topology: Topology,
-    folder: str,
-    name: str,
-    stop: threading.Event | None = None,
-) -> tuple[int, list[str], str, int]:
-    """``(rows planned, sorted run files, digests file, lookups)`` of bytes ``[start, end)`` of the input
-    file ``path`` (files under ``folder``, named from ``name``), validated by
-    :func:`~gym_ray.plan._valid_lines.count_lines` with the run's preprocessing ``knobs``.
+class RangeJob(NamedTuple):
+    """One byte range to validate, as plain picklable data: bytes ``[start, end)`` of the input file
+    ``path``, with the run's preprocessing ``knobs`` (:func:`~gym_ray.plan._validate_pass.preprocess_knobs`),
+    ``strict_json`` and topology; its files go under ``folder``, named from ``name``."""
+
+    path: str
+    start: int
+    end: int
+    knobs: dict[str, Any]
+    strict_json: bool
+    topology: Topology
+    folder: str
+    name: str
+
+
+def count_range(job: RangeJob, stop: threading.Event | None = None) -> tuple[int, list[str], str, int]:
+    """``(rows planned, sorted run files, digests file, lookups)`` of ``job``'s range, validated by
+    :func:`~gym_ray.plan._valid_lines.count_lines`.
 
     Raises:
         RowsInvalid: A row of the range does not validate.
         GymRayError: What reading or preprocessing the range raises.
         InternalError: A knob rewrites rows (the caller checked that none does).
     """
-    recorder = RangeRecorder(Path(folder), name)
+    recorder = RangeRecorder(Path(job.folder), job.name)
     try:
         count = count_lines(
-            path,
-            knobs,
-            strict_json,
-            topology,
+            job.path,
+            job.knobs,
+            job.strict_json,
+            job.topology,
             recorder,
-            span=(start, end),
-            wrap_read=recorder.chunk_log(start, end),
+            span=(job.start, job.end),
+            wrap_read=recorder.chunk_log(job.start, job.end),
             stop=stop,
         )
         runs, digests, lookups = recorder.finish()
@@ -65,25 +69,14 @@ def count_range(
     return count, [str(run) for run in runs], str(digests), lookups
 
 
-def range_child(
-    conn: Connection,
-    path: str,
-    start: int,
-    end: int,
-    knobs: dict[str, Any],
-    strict_json: bool,
-    topology: Topology,
-    folder: str,
-    name: str,
-) -> None:
-    """Body of a range process: validate one range (:func:`count_range`), send ``(kind, result or detail)``:
-    ``("ok", result)``, ``("invalid", where and why)`` or ``("error", traceback)``."""
+def range_child(conn: Connection, job: RangeJob) -> None:
+    """Body of a range process: validate ``job``'s range (:func:`count_range`), send ``(kind, result or
+    detail)``: ``("ok", result)``, ``("invalid", where and why)`` or ``("error", traceback)``."""
     try:
         try:
-            result = count_range(path, start, end, knobs, strict_json, topology, folder, name)
-            conn.send(("ok", result))
+            conn.send(("ok", count_range(job)))
         except (RowsInvalid, GymRayError) as exc:
-            conn.send(("invalid", f"bytes {start}-{end}: {exc}"))
+            conn.send(("invalid", f"bytes {job.start}-{job.end}: {exc}"))
         except Exception:  # anything else: the parent validates in one process
             conn.send(("error", traceback.format_exc()))
     finally:

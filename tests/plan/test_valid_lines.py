@@ -18,7 +18,7 @@ import pytest
 from gym_ray.config.run_config import RunConfig
 from gym_ray.errors import GymRayError
 from gym_ray.plan import _parallel_pass, _spill_dedupe, first_pass
-from gym_ray.plan._range_child import count_range
+from gym_ray.plan._range_child import RangeJob, count_range
 from gym_ray.plan._spill_dedupe import RangeRecorder, _block_groups, _Spiller
 from gym_ray.plan._valid_lines import count_valid_lines
 from gym_ray.plan._validate_pass import RowsInvalid, count_valid_rows, preprocess_knobs
@@ -175,9 +175,10 @@ def test_a_range_counts_and_records_as_the_general_chain_over_its_span(
         folder = tmp_path / f"r{start}"
         folder.mkdir()
         try:
-            count, runs, digests, lookups = count_range(
+            job = RangeJob(
                 str(path), start, end, preprocess_knobs(settings), True, topology, str(folder), "fast"
             )
+            count, runs, digests, lookups = count_range(job)
             fast: tuple[Any, ...] = (
                 count,
                 lookups,
