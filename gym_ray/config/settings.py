@@ -372,10 +372,11 @@ class RunSettings(BaseModel):
             (``GET /``) and refuse the run when one is unreachable or unhealthy.
         max_failed_fraction: failed rows (of the planned rows) a run may end with and still count as
             complete (exit status 0); 0.0 = none.
-        strict_json: refuse input rows that JSON does not allow though Python's ``json`` does (a key twice
-            in one object, ``NaN`` / ``Infinity``, numbers that overflow to infinity; in rows passed as
-            Python objects, ``nan`` / ``inf`` floats), with the file and line or the row; False accepts
-            them (the last duplicate wins) and sends them on as they are.
+        strict_json: refuse input rows that name a key twice in one object (Python's ``json`` keeps the
+            last one; JSON leaves it undefined), with the file and line; False accepts them (the last
+            duplicate wins). What JSON cannot carry to a server (``NaN`` / ``Infinity``, numbers that
+            overflow a double; in rows passed as Python objects, ``nan`` / ``inf`` floats) is refused
+            either way, with the file and line or the row: nothing sends it on.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
@@ -471,6 +472,16 @@ class RunSettings(BaseModel):
                 raise ValueError(f"every value of a num_repeats mapping must be an int >= 1, got {bad}")
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"num_repeats must be an int >= 1, got {value!r}")
+        return value
+
+    @field_validator("responses_create_params")
+    @classmethod
+    def _check_create_params(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from gym_ray.plan.load import non_finite_problem  # planning's check, for what joins every row
+
+        problem = None if value is None else non_finite_problem(value, at="responses_create_params")
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("fan_out")

@@ -76,7 +76,7 @@ __all__ = [
 logger = logging.getLogger("gym_ray.dispatch.client")
 
 _RETRY_AFTER_STATUSES = frozenset({429, 503})
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # never NaN / Infinity on the wire
 _URL_CACHE_MAX = 4096
 # aiohttp warns when enable_cleanup_closed is set on a Python that no longer needs it.
 _CLEANUP_CLOSED = bool(getattr(aiohttp.connector, "NEEDS_CLEANUP_CLOSED", False))

@@ -57,7 +57,7 @@ __all__ = [
 
 
 def _finite_rows(rows: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
-    """``rows``, refusing the first one that holds ``nan`` / ``inf`` (``strict_json``)."""
+    """``rows``, refusing the first one that holds ``nan`` / ``inf`` (JSON cannot carry them)."""
     for pos, row in enumerate(rows):
         problem = non_finite_problem(row)
         if problem is not None:
@@ -91,7 +91,7 @@ def _limited_rows(
         fixed = rows
 
         def source() -> Iterable[Mapping[str, Any]]:
-            return _finite_rows(fixed) if settings.strict_json else fixed
+            return _finite_rows(fixed)
 
     limit = settings.limit or None  # NeMo Gym: 0 or null = every row
 

@@ -38,12 +38,17 @@ T = TypeVar("T")
 
 #: Longest accepted input line, in bytes (without its newline).
 MAX_LINE_BYTES = 64 * 1024 * 1024
-#: How to accept what strict JSON refuses (the end of every such message).
+#: How to accept what strict JSON refuses (the end of the duplicate-key message).
 STRICT_JSON_HINT = "or set strict_json: false (+strict_json=false) to accept it as Python's json does"
+#: Why a non-finite number is refused whatever ``strict_json`` says, and what to write instead.
+NON_FINITE_HINT = (
+    "JSON cannot carry it, so no request body may hold it; write null, a finite number, or a string "
+    'such as "NaN" if the server expects one'
+)
 
 
 class _StrictJsonProblem(ValueError):
-    """A line that is JSON to Python but not to a strict JSON reader (raised inside the decoder)."""
+    """A line that is JSON to Python but not to a JSON reader (raised inside the decoder)."""
 
 
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -62,26 +67,25 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _refuse_constant(name: str) -> float:
-    raise _StrictJsonProblem(
-        f"non-finite number {name} (not JSON: servers refuse it); write null or a finite number, "
-        + STRICT_JSON_HINT
-    )
+    raise _StrictJsonProblem(f"non-finite number {name} (not JSON); {NON_FINITE_HINT}")
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if math.isinf(value):
         raise _StrictJsonProblem(
-            f"number {text[:40]} overflows to infinity (not a finite JSON number); write a smaller number, "
-            + STRICT_JSON_HINT
+            f"number {text[:40]} overflows a double to infinity (a JSON reader would read Infinity); "
+            + NON_FINITE_HINT
         )
     return value
 
 
+# Both refuse what JSON cannot carry to a server (NaN, infinities, numbers that overflow a double); the
+# strict one also refuses a key given twice in one object, which the lenient one reads as json does.
 _STRICT_DECODER = json.JSONDecoder(
     object_pairs_hook=_unique_object, parse_constant=_refuse_constant, parse_float=_finite_float
 )
-_LENIENT_DECODER = json.JSONDecoder()
+_LENIENT_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 
 _BOM = b"\xef\xbb\xbf"
 #: Bytes read at a time; lines are handled a block of whole lines at a time.
@@ -99,35 +103,44 @@ _SLOW = object()
 def _fast_decode(content: bytes, strict_json: bool) -> Any:
     """The line parsed by orjson where that provably equals what the ``json`` decoder gives, else _SLOW.
 
-    orjson refuses invalid UTF-8, ``NaN`` / ``Infinity``, numbers that overflow and lone surrogates (the
-    ``json`` path then reports them or, lenient, reads them) and keeps the last of duplicate keys, as
-    ``json`` does. It reads integers past 63 bits as floats, which it writes back as ``<digits>e18`` or
-    larger exponents: a re-encoded line holding ``e1``, ``e2`` or ``e3`` goes to ``json``. Strict mode
-    refuses duplicate keys: each key-value pair has one colon outside strings, and re-encoding drops
-    nothing but duplicates (and what they held) while copying every string's colons, so the colon count
-    falls exactly when a key repeats. A ``\\u003a`` escape (a colon not written as one) goes to ``json``.
+    Decided from the line's own bytes, never from the shape of orjson's output (which changes between
+    orjson versions: 3.11 writes ``1.2345678901234568e+29`` where 3.10 wrote ``1.2345678901234568e29``):
+
+    - a run of 19 or more digits may be an integer past 64 bits, which orjson reads as a float (or
+      refuses, depending on its version) where ``json`` reads it exactly: the line goes to ``json``;
+      shorter integers fit in 63 bits and every orjson reads them exactly;
+    - orjson refuses invalid UTF-8, ``NaN`` / ``Infinity``, numbers that overflow a double and lone
+      surrogates: ``json`` then reports them or, lenient, reads them;
+    - strict mode refuses duplicate keys, which orjson (like ``json``) reads as the last one: each
+      key-value pair has one colon outside strings, and re-encoding drops nothing but duplicates (and what
+      they held) while copying every string's colons, so the colon count falls exactly when a key repeats.
+      A ``\\u003a`` escape (a colon not written as one) goes to ``json``.
     """
+    if _NINETEEN_DIGITS in content.translate(_DIGITS_AS_ZERO):
+        return _SLOW  # maybe an integer past 64 bits: json reads it exactly
     try:
         row = orjson.loads(content)
     except orjson.JSONDecodeError:
         return _SLOW
-    try:
-        again = orjson.dumps(row)
-    except orjson.JSONEncodeError:  # nested deeper than orjson writes
-        return _SLOW
-    if b"e1" in again or b"e2" in again or b"e3" in again:
-        return _SLOW  # maybe an integer orjson read as a float
-    if strict_json and (b"\\u003" in content or content.count(b":") != again.count(b":")):
-        return _SLOW  # maybe a repeated key: the json decoder names it
+    if strict_json:
+        if b"\\u003" in content:
+            return _SLOW  # a colon may be escaped: the count below cannot vouch for the keys
+        try:
+            again = orjson.dumps(row)
+        except orjson.JSONEncodeError:  # nested deeper than orjson writes
+            return _SLOW
+        if content.count(b":") != again.count(b":"):
+            return _SLOW  # maybe a repeated key: the json decoder names it
     return row
 
 
 def non_finite_problem(value: Any, *, at: str = "") -> str | None:
-    """What strict JSON refuses in an in-memory row (``NaN`` or an infinity anywhere in it), or None.
+    """What JSON cannot carry in an in-memory row (``nan`` or an infinity anywhere in it), or None.
 
     Rows passed as Python objects cannot hold a duplicate key, but a float can be ``nan`` or ``inf``,
-    which ``json.dumps`` writes as ``NaN`` / ``Infinity`` and a server refuses. The message names the
-    place (``score``, ``w[1]``, ``responses_create_params.temperature``) and what to do.
+    which ``json.dumps`` would write as ``NaN`` / ``Infinity``: not JSON, so such a row is refused whatever
+    ``strict_json`` says. The message names the place (``score``, ``w[1]``,
+    ``responses_create_params.temperature``) and what to do.
 
     Example:
         >>> non_finite_problem({"score": 0.5, "w": [1.0, 2.0]}) is None
@@ -141,8 +154,9 @@ def non_finite_problem(value: Any, *, at: str = "") -> str | None:
         if isinstance(item, float):
             if not math.isfinite(item):
                 return (
-                    f"non-finite number {item!r} at {where or 'the row'} (not JSON: servers refuse it); "
-                    f"write None or a finite number, {STRICT_JSON_HINT}"
+                    f"non-finite number {item!r} at {where or 'the row'} (not JSON); JSON cannot carry it, "
+                    'so no request body may hold it; write None, a finite number, or a string such as "nan" '
+                    "if the server expects one"
                 )
         elif isinstance(item, dict):
             stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in reversed(item.items()))
@@ -164,16 +178,17 @@ def load_jsonl(
     Args:
         path: The JSONL file.
         max_line_bytes: Longest accepted line in bytes, without its newline (default 64 MiB).
-        strict_json: Refuse what Python's ``json`` accepts but JSON does not: a key twice in one object,
-            ``NaN`` / ``Infinity`` / ``-Infinity``, and numbers that overflow to infinity. ``False`` accepts
-            them (the last duplicate wins), as ``json.loads`` does.
+        strict_json: Refuse a key given twice in one object, which Python's ``json`` accepts (the last
+            one wins) and JSON leaves undefined. ``False`` accepts it, as ``json.loads`` does. What JSON
+            cannot carry to a server (``NaN`` / ``Infinity`` / ``-Infinity``, numbers that overflow a
+            double) is refused either way.
 
     Yields:
         Each row, in file order.
 
     Raises:
-        InputError: The file is missing or unreadable, or a line is blank, malformed JSON (duplicate keys
-            and non-finite numbers included, unless ``strict_json=False``), not an object, not UTF-8,
+        InputError: The file is missing or unreadable, or a line is blank, malformed JSON (non-finite
+            numbers included; duplicate keys unless ``strict_json=False``), not an object, not UTF-8,
             longer than ``max_line_bytes``, or not a valid row. The message and the error's
             ``path``/``line`` attributes give the file and the 1-based line. Raised while iterating, so a
             caller that dispatches only after it has read the whole input dispatches nothing.

@@ -445,7 +445,7 @@ class RolloutStream(StreamControls):
             task = own if type(own) is int else next_task
             next_task = max(next_task, task + 1)
             position = self._read + self._skipped
-            if self._settings.strict_json and isinstance(raw, Mapping):
+            if isinstance(raw, Mapping):  # JSON cannot carry nan / inf, whatever strict_json says
                 problem = non_finite_problem(raw)
                 if problem is not None:
                     raise InputError(

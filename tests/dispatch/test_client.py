@@ -177,7 +177,7 @@ async def test_post_json_sends_the_bytes_json_dumps_gives_with_ascii_escapes() -
     bodies = [
         {"input": "What is 2 + 3?", "n": 1, "x": 0.5, "ok": True, "none": None},
         {"input": "caf\u00e9 \U0001f600 \x7f", "big": 1e-05, "long": 12345678901234567890},
-        [float("nan"), None, {"k": [1.0, 2.5e16]}],
+        [-0.0, None, {"k": [1.0, 2.5e16, 2**70]}],
         {"input": "ASCII but DEL: \x7f"},
     ]
     received: list[bytes] = []
@@ -191,6 +191,21 @@ async def test_post_json_sends_the_bytes_json_dumps_gives_with_ascii_escapes() -
             await client.post_json(url, "/run", body)
     assert received == [json.dumps(body, separators=(",", ":")).encode("ascii") for body in bodies]
     assert received[1].startswith(b'{"input":"caf\\u00e9 \\ud83d\\ude00 \\u007f","big":1e-05,')
+    assert received[2] == b'[-0.0,null,{"k":[1.0,2.5e+16,1180591620717411303424]}]'
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+async def test_post_json_refuses_a_number_json_cannot_carry_and_sends_nothing(value: float) -> None:
+    received: list[bytes] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        received.append(await request.read())
+        return web.json_response({"ok": True})
+
+    async with serve(handler) as url, ServerClient() as client:
+        with pytest.raises(InputError, match=r"/run is not JSON-serialisable \(Out of range float values"):
+            await client.post_json(url, "/run", {"input": "q", "temperature": value})
+    assert received == []
 
 
 async def test_get_json_and_instance_names_resolve_through_the_topology() -> None:
