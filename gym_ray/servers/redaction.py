@@ -27,8 +27,21 @@ __all__ = [
     "redact",
 ]
 
-#: Key patterns whose values are secret (``fnmatch``, case-insensitive).
-DEFAULT_SECRET_PATTERNS: tuple[str, ...] = ("*api_key*", "*apikey*", "*token*", "*password*", "*secret*")
+#: Key patterns whose values are secret (``fnmatch``, case-insensitive): API keys, tokens, passwords,
+#: secrets, ``Authorization`` headers, credentials, private keys and access keys.
+DEFAULT_SECRET_PATTERNS: tuple[str, ...] = (
+    "*api_key*",
+    "*apikey*",
+    "*token*",
+    "*password*",
+    "*secret*",
+    "*authorization*",
+    "*credential*",
+    "*private_key*",
+    "*privatekey*",
+    "*access_key*",
+    "*accesskey*",
+)
 #: What a secret value is replaced with (the protocol's marker, :data:`gym_ray.keys.REDACTED`).
 REDACTED = keys.REDACTED
 #: Environment variable ``gym-ray serve`` reads the head server's token from.

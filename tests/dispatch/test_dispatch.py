@@ -16,7 +16,7 @@ from gym_ray.config.topology import Topology
 from gym_ray.dispatch.engine import LatencyTracker, dispatch, interleave_by_agent
 from gym_ray.dispatch.helper import RolloutCollectionHelper
 from gym_ray.dispatch.outcomes import CompletedRollout, RolloutFailureRecord
-from gym_ray.errors import ServerHTTPError, ValidationError
+from gym_ray.errors import RoutingError, ServerHTTPError, ValidationError
 from gym_ray.servers import serve_config
 from gym_ray.servers.launch import Deployment
 
@@ -253,6 +253,42 @@ async def test_nothing_dispatched_when_validation_fails(
         await consume_all(it)
     await it.aclose()
     assert instant.stats("env").requests == 0
+
+
+_UNKNOWN_AGENT = (
+    "Rows disagree with the running config:\n"
+    "  - unknown agent: 'agnet' is not in the running config (did you mean 'agent'?) "
+    "[row 3 (task 3, rollout 0)]\n"
+    "Include the agents' configs in the run or re-route the rows with agent_map; for a pairing the verifier "
+    "does not accept, route the rows to an accepted agent or set allow_unsupported_pairing=true."
+)
+_UNKNOWN_SERVER = (
+    "Rows cannot be routed to their environment server:\n"
+    "  - environment server 'envv' is not in the running config (did you mean 'env'?); environment servers: "
+    "env [row 3 (task 3, rollout 0)]\n"
+    "Fix the stamps or environment_server_routes in the config, or re-preprocess the rows."
+)
+
+
+@pytest.mark.parametrize("bound", [pytest.param(None, id="unbounded"), pytest.param(2, id="bounded")])
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        pytest.param({"agent_ref": {"name": "agnet"}}, ValidationError, _UNKNOWN_AGENT, id="unknown-agent"),
+        pytest.param({"_ng_environment_server": "envv"}, RoutingError, _UNKNOWN_SERVER, id="unknown-server"),
+    ],
+)
+async def test_run_outcomes_sends_nothing_when_the_last_row_is_bad(
+    instant: Deployment, helper_of: Any, bound: Any, bad: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    # A list is validated whole before its first /run: three good rows are not sent ahead of the bad one.
+    rows = [row(0), row(1), row(2), row(3, **bad)]
+    it = helper_of(instant).run_outcomes(rows, max_resident_tasks=bound)
+    with pytest.raises(error) as raised:
+        async for _ in it:
+            pass
+    await it.aclose()
+    assert (instant.stats("env").requests, str(raised.value)) == (0, message)
 
 
 # --- failures ---------------------------------------------------------------------------------------
