@@ -64,6 +64,9 @@ T = TypeVar("T")
 Row = dict[str, Any]
 #: ``(row, failure_row)`` -> None or an awaitable; called for an unrouted failure before it is raised.
 FailureRecorder = Callable[[Row, Row], Awaitable[None] | None]
+#: Called with a row just before its ``/run`` is sent (each send, retries too); an exception it raises is
+#: the row's outcome and nothing is sent (collection announces the attempt in the shard's attempt log).
+BeforeSend = Callable[[Row], None]
 Shape = Literal["examples", "completed", "outcomes"]
 
 #: Successful latencies before the adaptive drain margin (p75) applies.
@@ -257,8 +260,10 @@ class _Dispatcher:
         tracer: Tracer | None = None,
         health: ServerHealth | None = None,
         max_infra_retries: int = DEFAULT_MAX_INFRA_RETRIES,
+        before_send: BeforeSend | None = None,
     ) -> None:
         self.client = client
+        self.before_send = before_send
         self.health = health
         self.max_infra_retries = max_infra_retries
         self.tracer = tracer
@@ -328,6 +333,8 @@ class _Dispatcher:
             if remaining <= 0 or (margin is not None and remaining < margin):
                 self.drained += 1
                 return self._drained(row, drained_result(remaining, margin), server, impl)
+        if self.before_send is not None:
+            self.before_send(row)
         body = episode_request_body(row) if is_materialized_row(row) else row
         started = time.perf_counter()
         try:
@@ -442,6 +449,7 @@ def build_dispatcher(
     tracer: Tracer | None = None,
     health: ServerHealth | None = None,
     max_infra_retries: int = DEFAULT_MAX_INFRA_RETRIES,
+    before_send: BeforeSend | None = None,
 ) -> _Dispatcher:
     """The per-dispatch row runner (internal: used by :func:`dispatch` and the helper)."""
     for name, value in (("dispatch_budget_s", dispatch_budget_s), ("drain_margin_s", drain_margin_s)):
@@ -462,6 +470,7 @@ def build_dispatcher(
         tracer=tracer,
         health=health,
         max_infra_retries=max_infra_retries,
+        before_send=before_send,
     )
 
 
@@ -483,6 +492,7 @@ def dispatch(
     tracer: Tracer | None = None,
     health: ServerHealth | None = None,
     max_infra_retries: int = DEFAULT_MAX_INFRA_RETRIES,
+    before_send: BeforeSend | None = None,
 ) -> DispatchIterator[Row, tuple[Row, CompletedRollout | RolloutFailureRecord]]:
     """Dispatch already-validated rows for collection; outcomes in completion order.
 
@@ -501,7 +511,9 @@ def dispatch(
     carries W3C ``traceparent``; None (the default) adds nothing to the hot path. With ``health``, an
     infrastructure failure is resent (up to ``max_infra_retries`` times) once the server is admitted again,
     and a server down past its outage timeout raises :class:`~gym_ray.errors.ServerOutageError` in the
-    consumers of its rows (nothing is recorded for them).
+    consumers of its rows (nothing is recorded for them). ``before_send(row)`` runs just before each
+    ``/run`` leaves (after the drain check; again for an infrastructure resend); what it raises is the
+    row's outcome, and the row is not sent.
 
     Raises:
         UsageError: ``max_resident_tasks`` < 1, or a negative budget / margin.
@@ -521,6 +533,7 @@ def dispatch(
         tracer=tracer,
         health=health,
         max_infra_retries=max_infra_retries,
+        before_send=before_send,
     )
     source: Iterable[Row] = interleave_by_agent(rows) if interleave else rows
     it: DispatchIterator[Row, tuple[Row, CompletedRollout | RolloutFailureRecord]] = DispatchIterator(

@@ -3,8 +3,13 @@
 The key is ``(_ng_task_index, _ng_rollout_index)``. A key is *done* when the shard's successes file has
 it, or its failures sidecar has a terminal failure for it (``_ng_failure_terminal`` true), or as many
 failure attempts as ``max_rollout_attempts``. Every other materialized row is *pending* and runs again
-with ``_ng_attempt_index`` = the failure attempts recorded so far (the key is omitted when that is 0).
-Rows appended with ``_ng_no_persist`` (drained; written only under ``record_omitted_rollouts``) are not
+with an ``_ng_attempt_index`` never used for it before: one above the highest attempt index its failure
+records carry or the shard's attempt log (:mod:`gym_ray.record.attempt_log`) announced, and at least
+the failure attempts recorded so far (the key is omitted when that is 0). So a rollout whose request
+may have reached its server without a recorded result (its owner was stopped, killed or taken over
+while it was in flight) is sent with a new attempt index, as a retry after a failure is. A folder
+without an attempt log (written before it existed) resumes with the failure attempts so far. Rows
+appended with ``_ng_no_persist`` (drained; written only under ``record_omitted_rollouts``) are not
 attempts: they are ignored, so a drained row runs again without using up an attempt.
 
 Planning only reads: torn tails and corrupt lines are tolerated (a corrupt line's rollout simply runs
@@ -28,6 +33,7 @@ from typing import Any
 
 from gym_ray import keys
 from gym_ray.errors import ConfigError, InputError, ResumeError
+from gym_ray.record.attempt_log import sent_attempts
 from gym_ray.record.jsonl import JsonlReader
 from gym_ray.record.manifest import ShardManifest, read_manifest
 from gym_ray.record.shard_files import Identity, file_sha256, list_shards, record_identity, shard_paths
@@ -53,7 +59,10 @@ class ResumePlan:
         corrupt_lines: Unreadable lines skipped in the successes and failures files.
         ignored_lines: Readable lines that count for nothing: omitted rows, lines without identity, or
             identities not in the materialized inputs.
-        attempts: Failure attempts so far per identity (only identities with at least one).
+        attempts: Failure attempts so far per identity (only identities with at least one); the cap
+            counts these.
+        next_attempts: The attempt index each pending row runs with, where it is not 0: above every
+            index recorded or announced for it.
         done: Identities that do not run again.
         manifest: The shard's manifest, if it has one.
     """
@@ -71,6 +80,7 @@ class ResumePlan:
     corrupt_lines: int
     ignored_lines: int
     attempts: Mapping[Identity, int]
+    next_attempts: Mapping[Identity, int]
     done: frozenset[Identity]
     manifest: ShardManifest | None
     _inputs_stamp: tuple[int, int]
@@ -120,7 +130,7 @@ class ResumePlan:
             if identity is None or identity in self.done:
                 continue
             pending = dict(row)
-            attempt = self.attempts.get(identity, 0)
+            attempt = self.next_attempts.get(identity, 0)
             if attempt:
                 pending[keys.ATTEMPT_INDEX] = attempt
             else:
@@ -200,6 +210,7 @@ def plan_resume(
 
     successes: set[Identity] = set()
     attempts: Counter[Identity] = Counter()
+    highest_failed: dict[Identity, int] = {}  # the highest attempt index of an identity's failure records
     terminal: set[Identity] = set()
     ignored = 0
     success_reader = JsonlReader(paths.successes)
@@ -216,11 +227,23 @@ def plan_resume(
             ignored += 1
             continue
         attempts[identity] += 1
+        index = record.get(keys.ATTEMPT_INDEX)
+        index = index if type(index) is int else 0
+        if index > highest_failed.get(identity, -1):
+            highest_failed[identity] = index
         if record.get(keys.FAILURE_TERMINAL) is True:
             terminal.add(identity)
 
     maxed = {identity for identity, count in attempts.items() if count >= max_rollout_attempts}
     done = successes | terminal | maxed
+    next_attempts = {
+        identity: max(count, highest_failed[identity] + 1)
+        for identity, count in attempts.items()
+        if identity not in done
+    }
+    for identity, index in sent_attempts(paths.attempt_log, planned).items():
+        if identity not in done and index >= next_attempts.get(identity, 0):
+            next_attempts[identity] = index + 1
     pending_retrying = sum(1 for identity in attempts if identity not in done)
     return ResumePlan(
         shard=shard,
@@ -236,6 +259,7 @@ def plan_resume(
         corrupt_lines=len(success_reader.corrupt_lines) + len(failure_reader.corrupt_lines),
         ignored_lines=ignored,
         attempts=dict(attempts),
+        next_attempts=next_attempts,
         done=frozenset(done),
         manifest=manifest,
         _inputs_stamp=stamp,

@@ -87,6 +87,7 @@ class ShardPaths:
     manifest: Path
     progress: Path
     lock: Path
+    attempt_log: Path
 
 
 def shard_paths(run_dir: str | os.PathLike[str], shard: str) -> ShardPaths:
@@ -107,6 +108,7 @@ def shard_paths(run_dir: str | os.PathLike[str], shard: str) -> ShardPaths:
         manifest=base / f"{stem}.manifest.json",
         progress=base / f"{stem}.progress.json",
         lock=base / f"{stem}.lock",
+        attempt_log=base / f"{stem}.attempts.log",
     )
 
 

@@ -10,21 +10,23 @@ Files of shard ``<s>`` in ``<run_dir>``::
     rollouts-<s>.lock                       never unlinked or replaced; holds the last opener's token
     rollouts-<s>.jsonl.idx, rollouts-<s>_failures.jsonl.idx
                                             line indexes for the merge (:mod:`gym_ray.record.line_index`)
+    rollouts-<s>.attempts.log               attempts announced before they are sent
+                                            (:mod:`gym_ray.record.attempt_log`), created on first use
 
 Durability and concurrency promises:
 
 - **The last opener holds the shard.** :meth:`ShardWriter.open` takes an exclusive ``flock`` on the lock
   file, writes a fresh random token into it (in place, fsynced; the file is never unlinked or replaced)
   and repairs torn tails, then releases the lock. Opening never waits for or refuses an older writer: it
-  takes the shard over. Every later write (append, progress, materialized inputs, manifest, and the
-  fsync of :meth:`~ShardWriter.checkpoint` / :meth:`~ShardWriter.close`) takes the lock again and first
-  checks that the token is still its own; a writer whose shard was opened by another writer since gets
-  :class:`~gym_ray.errors.ShardLockError` (naming the shard and the new holder's pid and host) and writes
-  nothing, then and on every later write (it is *stale*; :meth:`~ShardWriter.close` of a stale writer
-  only closes its files). So a zombie writer (a worker frozen or partitioned while its shard was handed
-  to another) can never interleave lines with the shard's new holder, in this process or another. The
-  new holder fsyncs both record files at its first checkpoint, so lines an older writer left unsynced
-  become durable too.
+  takes the shard over. Every later write (append, attempt announcement, progress, materialized inputs,
+  manifest, and the fsync of :meth:`~ShardWriter.checkpoint` / :meth:`~ShardWriter.close`) takes the
+  lock again and first checks that the token is still its own; a writer whose shard was opened by
+  another writer since gets :class:`~gym_ray.errors.ShardLockError` (naming the shard and the new
+  holder's pid and host) and writes nothing, then and on every later write (it is *stale*;
+  :meth:`~ShardWriter.close` of a stale writer only closes its files). So a zombie writer (a worker
+  frozen or partitioned while its shard was handed to another) can never interleave lines with the
+  shard's new holder, in this process or another. The new holder fsyncs both record files at its first
+  checkpoint, so lines an older writer left unsynced become durable too.
 - **Whole lines.** Each record is one ``os.write`` of a complete line to an ``O_APPEND`` descriptor, under
   the lock (a short write is continued; a failed one fails the shard). A line written is in the page
   cache and survives a ``kill -9`` of any process.
@@ -60,13 +62,14 @@ import secrets
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from gym_ray import keys
 from gym_ray.errors import ConfigError, ShardIOError, ShardLockError, UsageError
 from gym_ray.record.atomic import atomic_write_bytes, atomic_writer, fsync_dir
+from gym_ray.record.attempt_log import Attempt, encode_batch
 from gym_ray.record.jsonl import JsonlReader, encode_line, repair_torn_tail
 from gym_ray.record.line_index import IndexBatch, index_path, trim_index
 from gym_ray.record.manifest import ShardManifest, ShardProgress
@@ -183,6 +186,8 @@ class ShardWriter:
                     self._dirty.add(path)  # an older writer's unsynced lines: ours to make durable now
                     self._fds[index_path(path)] = os.open(index_path(path), _APPEND_FLAGS, 0o644)
                     self._batches[path] = IndexBatch(os.fstat(fd).st_size)
+                if self.paths.attempt_log.exists():
+                    self._repair_log()
                 fsync_dir(self.paths.run_dir)
                 self._seed_counts()
         except OSError as exc:
@@ -279,6 +284,42 @@ class ShardWriter:
         with self._owned("fsync"):
             self._write_index()
         self._sync()
+
+    def announce_attempts(self, attempts: Sequence[Attempt]) -> None:
+        """Append one line naming requests about to be sent to the shard's attempt log, and fsync it.
+
+        Call it before the requests leave (:class:`~gym_ray.record.attempt_log.AttemptAnnouncer` does):
+        a later owner of the shard then sends those rollouts with a higher attempt index, even when this
+        writer never records their results.
+
+        Args:
+            attempts: ``(task_index, rollout_index, attempt_index)`` of each request.
+
+        Raises:
+            UsageError: The writer is not open.
+            ShardLockError: Another writer opened the shard since; nothing was written: send nothing.
+            ShardIOError: The write or fsync failed; the shard is failed.
+        """
+        self._require_open()
+        if not attempts:
+            return
+        path = self.paths.attempt_log
+        line = encode_batch(attempts)
+        with self._owned("announce attempts to"):
+            created = path not in self._fds
+            if created:
+                try:
+                    self._fds[path] = os.open(path, _APPEND_FLAGS, 0o644)
+                except OSError as exc:
+                    raise self._fail(f"opening {path}", exc) from exc
+            self._write_all(path, line)
+        try:
+            os.fsync(self._fds[path])
+            if created:
+                fsync_dir(self.paths.run_dir)
+        except OSError as exc:
+            raise self._fail(f"fsync of {path}", exc) from exc
+        self._dirty.discard(path)
 
     def write_materialized_inputs(self, rows: Iterable[dict[str, Any]]) -> str:
         """Replace the shard's materialized inputs with ``rows`` atomically, one line each, in order.
@@ -488,6 +529,14 @@ class ShardWriter:
             os.close(fd)
         # Corrupt lines mid-file: moved to <file>.quarantine so the ledger clears and resume reruns them.
         return quarantine_corrupt_lines(path) > 0
+
+    def _repair_log(self) -> None:
+        """Drop a torn last line of the attempt log (a crash mid-write; its rows were never sent)."""
+        fd = os.open(self.paths.attempt_log, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            repair_torn_tail(fd, label=str(self.paths.attempt_log))
+        finally:
+            os.close(fd)
 
     def _seed_counts(self) -> None:
         for _, record in JsonlReader(self.paths.successes):
