@@ -184,6 +184,11 @@ CASES = {
         lambda w, d: w.write_progress(),
         [("replace", f"rollouts-{SHARD}.progress.json")],
     ),
+    "attempt-log": Case(
+        lambda d: _writer(d).open(),
+        lambda w, d: w.announce_attempts([(0, 0, 1)]),
+        [("write", f"rollouts-{SHARD}.attempts.log")],
+    ),
 }
 
 
