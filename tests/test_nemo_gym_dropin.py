@@ -128,13 +128,17 @@ def test_a_misspelt_override_is_refused_with_the_closest_setting(
     assert not list(tmp_path.iterdir())  # refused before anything was written
 
 
+#: A config that addresses its own server (so no head server is asked).
+_STANDALONE = "a: {responses_api_agents: {example_env: {host: 127.0.0.1, port: 9}}}\n"
+
+
 async def test_a_key_an_interpolation_refers_to_is_allowed(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("policy_model_name: m1\nresponses_create_params: {model: '${policy_model_name}'}\n")
+    path.write_text(_STANDALONE + "judge_model: m1\nresponses_create_params: {model: '${judge_model}'}\n")
     run = await resolve_run_config(str(path))
     assert run.settings.responses_create_params == {"model": "m1"}
-    path.write_text("policy_model_name: m1\n")
-    with pytest.raises(ConfigError, match="config key 'policy_model_name' is not a setting"):
+    path.write_text(_STANDALONE + "judge_model: m1\n")
+    with pytest.raises(ConfigError, match="config key 'judge_model' is not a setting"):
         await resolve_run_config(str(path))
 
 
@@ -166,9 +170,10 @@ async def test_a_nemo_gym_option_gym_ray_does_not_honour_is_refused(
     assert instead in str(info.value)
     assert info.value.key == option
     # Their NeMo Gym defaults (nothing asked of gym_ray) pass; disable_health_check=true is what gym_ray does.
+    standalone = load_bundled_config()  # addresses its servers: no head server is asked
     if option != "disable_health_check":
-        await resolve_run_config({option: None if value not in (True, False) else False})
-    await resolve_run_config({"disable_health_check": True})
+        await resolve_run_config({**standalone, option: None if value not in (True, False) else False})
+    await resolve_run_config({**standalone, "disable_health_check": True})
     assert set(REFUSED_OPTIONS) >= {option}
 
 
@@ -414,15 +419,19 @@ def test_preprocessing_and_validation_need_no_addresses() -> None:
     )
 
 
-async def test_dispatch_with_a_host_less_config_names_the_instance(tmp_path: Path) -> None:
+async def test_dispatch_with_a_host_less_config_names_the_instance(calc: Deployment, tmp_path: Path) -> None:
+    # Blocks the head does not define, without addresses (with no head named, NeMo Gym's default head
+    # address is asked instead: tests/config/test_nemo_gym_head.py).
     hostless = {
-        "calc_agent": {"responses_api_agents": {"example_env": {}}},
-        "calc_env": {
+        "head_server": calc.config["head_server"],
+        "far_agent": {"responses_api_agents": {"example_env": {}}},
+        "far_env": {
             "environment_servers": {
-                "example_env": {"agent_server": {"type": "responses_api_agents", "name": "calc_agent"}}
+                "example_env": {"agent_server": {"type": "responses_api_agents", "name": "far_agent"}}
             }
         },
     }
-    with pytest.raises(ConfigError, match=r"^server instance 'calc_env' has no address") as info:
-        await acollect_local(hostless, rows=_rows(1), output_dir=str(tmp_path / "run"))
-    assert info.value.key == "calc_env.environment_servers.example_env"
+    rows = [{**row, keys.AGENT_REF: {"name": "far_agent"}} for row in _rows(1)]
+    with pytest.raises(ConfigError, match=r"^server instance 'far_env' has no address") as info:
+        await acollect_local(hostless, rows=rows, output_dir=str(tmp_path / "run"))
+    assert info.value.key == "far_env.environment_servers.example_env"

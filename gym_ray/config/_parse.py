@@ -311,9 +311,13 @@ def parse_datasets(inst: ServerInstance, inner: Mapping[str, Any]) -> tuple[Data
 
 
 def parse_references(
-    inst: ServerInstance, instances: Mapping[str, ServerInstance]
+    inst: ServerInstance, instances: Mapping[str, ServerInstance], *, partial: bool = False
 ) -> tuple[tuple[str, ServerRef], ...]:
-    """``(field, ref)`` for every top-level field of ``inst`` that references another instance."""
+    """``(field, ref)`` for every top-level field of ``inst`` that references another instance.
+
+    With ``partial`` (the run's own part of a config a head server completes), a reference to an instance
+    the config does not define is left out instead of refused: the merged config is checked again.
+    """
     refs = []
     for fname, value in inst.fields.items():
         if not isinstance(value, Mapping):
@@ -331,6 +335,8 @@ def parse_references(
         label = LABELS[ref_type]
         pool = [n for n, i in instances.items() if i.server_type == ref_type]
         target = instances.get(ref_name) if isinstance(ref_name, str) else None
+        if target is None and partial:
+            continue
         if target is None:
             hint = did_you_mean(ref_name, pool) if isinstance(ref_name, str) else ""
             raise _bad(
@@ -398,11 +404,16 @@ def parse_head_url(cfg: Mapping[str, Any]) -> str | None:
     return f"http://{host}:{port}"
 
 
-def parse_routing(raw: Mapping[str, Any], envs: tuple[str, ...]) -> dict[str, Any]:
-    """The routing keys, checked: routes, mode, environment_server_name, agent_map, pairing flag."""
+def parse_routing(raw: Mapping[str, Any], envs: tuple[str, ...], *, partial: bool = False) -> dict[str, Any]:
+    """The routing keys, checked: routes, mode, environment_server_name, agent_map, pairing flag.
+
+    With ``partial`` (the run's own part of a config a head server completes), routes and
+    ``environment_server_name`` may name environment servers outside ``envs``: the merged config is
+    checked again.
+    """
     routes = _str_map(raw, keys.ENVIRONMENT_SERVER_ROUTES)
     for taskset, env in routes.items():
-        if env not in envs:
+        if env not in envs and not partial:
             raise _bad(
                 f"{keys.ENVIRONMENT_SERVER_ROUTES}.{taskset}",
                 f"routes taskset {taskset!r} to {env!r}, which is not an environment server of the "
@@ -422,7 +433,7 @@ def parse_routing(raw: Mapping[str, Any], envs: tuple[str, ...]) -> dict[str, An
             f"is not set, but {keys.ENVIRONMENT_ROUTING_MODE}=legacy sends "
             f"every flat row there; set it to one of: {listing(envs)}",
         )
-    if env_name is not None and env_name not in envs:
+    if env_name is not None and env_name not in envs and not partial:
         raise _bad(
             keys.ENVIRONMENT_SERVER_NAME,
             f"is {env_name!r}, which is not an environment server of the "

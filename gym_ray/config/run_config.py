@@ -7,28 +7,49 @@ receives the :class:`RunConfig` and never reads the raw config dict again.
 Order of resolution: YAML file(s) or a dict, then ``key=value`` overrides, then keyword settings; the run
 keys (:mod:`gym_ray.config.strict`), settings and the ``tracing:`` block are checked first (no network
 needed, so a typo fails at once), then a config that names a ``head_server`` is laid over the head's
-``/global_config_dict_yaml`` (the head's servers are the truth; the run's own settings win).
+``/global_config_dict_yaml`` (the head's servers are the truth; the run's own settings win). As in NeMo
+Gym 0.7, a config that names no head server but does not address every server it needs (no server
+instance at all, or one without host and port, as in the config given to ``ng_run``) asks the head at
+0.7's default address (:data:`DEFAULT_HEAD_PORT` on ``default_host``, else 127.0.0.1).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from gym_ray import keys
 from gym_ray.config.settings import RunSettings, merge_config, resolve_config
-from gym_ray.config.strict import check_run_keys, interpolation_targets
+from gym_ray.config.strict import check_run_keys, deployment_keys, interpolation_targets
 from gym_ray.config.topology import Topology
 from gym_ray.config.tracing import TracingSettings
 from gym_ray.dispatch.head import fetch_global_config
-from gym_ray.errors import ConfigError, UsageError
+from gym_ray.errors import ConfigError, ServerConnectionError, UsageError
 
-__all__ = ["ConfigSource", "RunConfig", "merge_run_config", "overlay_on_head", "resolve_run_config"]
+__all__ = [
+    "DEFAULT_HEAD_HOST",
+    "DEFAULT_HEAD_PORT",
+    "ConfigSource",
+    "RunConfig",
+    "merge_run_config",
+    "overlay_on_head",
+    "resolve_run_config",
+]
+
+logger = logging.getLogger(__name__)
+
+#: NeMo Gym 0.7's head server address when a config names none (``DEFAULT_HEAD_SERVER_PORT`` and the
+#: ``default_host`` fallback of ``nemo_gym.global_config``).
+DEFAULT_HEAD_HOST = "127.0.0.1"
+DEFAULT_HEAD_PORT = 11000
 
 #: What a caller may pass as a run's config: a dict, a YAML path, or several YAML paths merged in order.
 ConfigSource = Mapping[str, Any] | str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
@@ -136,11 +157,15 @@ async def resolve_run_config(
     """Build a run's :class:`RunConfig`; with a ``head_server``, the running deployment's config is the truth.
 
     Order: the run's own config is checked first (unknown keys, NeMo Gym options gym_ray refuses, run
-    settings, the ``tracing:`` block), before any network call. Then, when the config names a
-    ``head_server``, its ``/global_config_dict_yaml`` is fetched: the head's server instances are the truth
-    (as in NeMo Gym), local server blocks only add instances the head lacks, and a local block that
-    disagrees with the head's (type, implementation or a field both define) is an error naming both. The
-    run's own non-server keys win over the head's.
+    settings, the ``tracing:`` block, the run's own server blocks), before any network call; NeMo Gym
+    deployment keys it sets are named in one warning. Then, when the config names a ``head_server`` (a
+    missing host or port takes 0.7's default), or names none but does not address every server it needs
+    (then the head is asked at 0.7's default address, :data:`DEFAULT_HEAD_HOST`:
+    :data:`DEFAULT_HEAD_PORT`), its ``/global_config_dict_yaml`` is fetched: the head's server instances
+    are the truth (as in NeMo Gym), local server blocks only add instances the head lacks, a local block
+    that disagrees with the head's (type, implementation or a field both define, compared resolved) is an
+    error naming both, and the routing keys are checked against the merged servers. The run's own
+    non-server keys win over the head's.
 
     Args:
         config: A config dict, YAML path(s), or an already built :class:`RunConfig` (then ``settings`` are
@@ -150,8 +175,9 @@ async def resolve_run_config(
         client_timeout_s: Seconds to wait for the head server.
 
     Raises:
-        ConfigError: Bad config (before any network call when the run's own keys are at fault), or a local
-            server block that conflicts with the head's.
+        ConfigError: Bad config (before any network call when the run's own keys are at fault), a local
+            server block that conflicts with the head's, a routing key naming no merged environment server,
+            or no head server answering at the default address when the config names none.
         ServerConnectionError / ServerHTTPError: The head server named by the config cannot be read.
     """
     if isinstance(config, RunConfig):
@@ -161,22 +187,76 @@ async def resolve_run_config(
     # Parsed here, before any network call, so that a typo fails at once; kept when no head is asked.
     settings_parsed = RunSettings.from_config(cfg)
     tracing = TracingSettings.from_config(cfg)
-    local = Topology.from_config(cfg)
-    own = RunConfig(settings=settings_parsed, topology=local, tracing=tracing)
-    if local.head_url is None:
-        return own
+    _complete_head_address(cfg)
+    by_default = False
+    local = Topology.from_config(cfg, partial=True)
+    if local.head_url is None and not _addresses_its_servers(local):
+        cfg[keys.HEAD_SERVER] = _default_head(cfg)
+        by_default = True
+        local = Topology.from_config(cfg, partial=True)
+    unused = deployment_keys(cfg, referenced)
+    if unused:
+        logger.warning(
+            "NeMo Gym deployment keys, not used by collection (they configure ng_run's servers): %s",
+            ", ".join(unused),
+        )
+    if local.head_url is None or (local.head_url.endswith(":0") and local.instances):
+        # No head: the config is the whole topology. Port 0 is a config to serve (`gym-ray serve` picks
+        # the ports), not the address of a running head: its own server blocks are the run's (the
+        # preflight refuses their port 0 by instance name).
+        return RunConfig(settings=settings_parsed, topology=Topology.from_config(cfg), tracing=tracing)
     if local.head_url.endswith(":0"):
-        # Port 0 is a config to serve (`gym-ray serve` picks the ports), not the address of a running head:
-        # its own server blocks are the run's (the preflight refuses their port 0 by instance name).
-        if local.instances:
-            return own
         raise ConfigError(
             "config key 'head_server.port' is 0, which names no running head server; pass the head's real "
             "port (`gym-ray serve CONFIG` prints it and writes gym-ray-run.yaml with it)",
             key="head_server.port",
         )
-    remote = await fetch_global_config(local.head_url, timeout_s=client_timeout_s)
+    try:
+        remote = await fetch_global_config(local.head_url, timeout_s=client_timeout_s)
+    except ServerConnectionError as exc:
+        if not by_default:
+            raise
+        address = local.head_url.removeprefix("http://")
+        raise ConfigError(
+            f"no head server answers at {address}, NeMo Gym's default head address (the config names no "
+            "head_server and does not give every server's host and port); pass +head_server.host=... "
+            "+head_server.port=... or a config naming the head (head_server: {host: ..., port: ...})",
+            key=keys.HEAD_SERVER,
+        ) from exc
     return RunConfig.from_dict(overlay_on_head(remote, cfg))
+
+
+def _addresses_its_servers(topology: Topology) -> bool:
+    """True when the config has server instances and every one has a host and port (no head needed)."""
+    instances = topology.instances.values()
+    return bool(instances) and all(i.host is not None and i.port is not None for i in instances)
+
+
+def _default_head(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """NeMo Gym 0.7's head address for a config that names none: ``default_host`` (this host's IP with
+    ``use_absolute_ip``), else 127.0.0.1, and port 11000."""
+    return {"host": _default_host(cfg), "port": DEFAULT_HEAD_PORT}
+
+
+def _default_host(cfg: Mapping[str, Any]) -> str:
+    if cfg.get("use_absolute_ip"):
+        return socket.gethostbyname(socket.gethostname())
+    host = cfg.get("default_host")
+    return host if isinstance(host, str) and host else DEFAULT_HEAD_HOST
+
+
+def _complete_head_address(cfg: dict[str, Any]) -> None:
+    """Fill a ``head_server`` block's missing host or port with 0.7's defaults, one key at a time (so
+    ``+head_server.port=12000`` alone means 127.0.0.1:12000)."""
+    head = cfg.get(keys.HEAD_SERVER)
+    if not isinstance(head, Mapping):
+        return
+    filled = dict(head)
+    if filled.get("host") is None:
+        filled["host"] = _default_host(cfg)
+    if filled.get("port") is None:
+        filled["port"] = DEFAULT_HEAD_PORT
+    cfg[keys.HEAD_SERVER] = filled
 
 
 def overlay_on_head(remote: Mapping[str, Any], local: Mapping[str, Any]) -> dict[str, Any]:
@@ -190,11 +270,17 @@ def overlay_on_head(remote: Mapping[str, Any], local: Mapping[str, Any]) -> dict
         The head's keys, then the local keys: local server blocks only for instances the head lacks, every
         other local key as given (run settings win).
 
+    Values are compared resolved: an interpolation (``openai_base_url: ${policy_base_url}`` in the head's
+    published text) is resolved against its own side's config first, and one that cannot be resolved here
+    (an unset environment variable, a resolver only NeMo Gym registers) agrees with any value.
+
     Raises:
         ConfigError: A local server block whose server type or implementation differs from the head's
             instance of the same name, or whose field (other than host/port) has another value there.
     """
     merged = dict(remote)
+    head_view: dict[str, Any] | None = None
+    local_view: dict[str, Any] | None = None
     for name, value in local.items():
         head_value = remote.get(name)
         if _server_block(value) is None:
@@ -202,8 +288,56 @@ def overlay_on_head(remote: Mapping[str, Any], local: Mapping[str, Any]) -> dict
         elif head_value is None:
             merged[name] = value
         else:
-            _check_agrees(name, value, head_value)
+            if head_view is None or local_view is None:
+                head_view, local_view = _resolved(remote), _resolved(local)
+            _check_agrees(name, value, head_value, local_view.get(name), head_view.get(name))
     return merged
+
+
+class _Unresolved:
+    """A value whose interpolation cannot be resolved here; it agrees with any value."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return repr(self.text)
+
+
+def _resolved(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with every interpolation resolved against ``config`` where that can be done here."""
+    try:
+        node = OmegaConf.create(dict(config))
+    except (OmegaConfBaseException, ValueError, TypeError):
+        result: dict[str, Any] = _marked(config)  # e.g. text that is not interpolation grammar
+        return result
+    return {key: _read(node, key, config[key]) for key in config}
+
+
+def _read(parent: DictConfig | ListConfig, key: Any, raw: Any) -> Any:
+    """``parent[key]`` resolved (recursively), or :class:`_Unresolved` where resolution fails."""
+    try:
+        value = parent[key]
+    except (OmegaConfBaseException, ValueError, KeyError, TypeError):
+        return _Unresolved(str(raw))
+    if isinstance(value, DictConfig):
+        inner = raw if isinstance(raw, Mapping) else {}
+        return {k: _read(value, k, inner.get(k)) for k in value}
+    if isinstance(value, ListConfig):
+        items = raw if isinstance(raw, list) and len(raw) == len(value) else [None] * len(value)
+        return [_read(value, i, items[i]) for i in range(len(value))]
+    return value
+
+
+def _marked(value: Any) -> Any:
+    """``value`` with every string holding an interpolation marked :class:`_Unresolved`."""
+    if isinstance(value, Mapping):
+        return {k: _marked(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_marked(v) for v in value]
+    if isinstance(value, str) and "${" in value:
+        return _Unresolved(value)
+    return value
 
 
 def _server_block(value: Any) -> tuple[str, str, Mapping[str, Any]] | None:
@@ -216,7 +350,7 @@ def _server_block(value: Any) -> tuple[str, str, Mapping[str, Any]] | None:
     return types[0], str(implementation), inner if isinstance(inner, Mapping) else {}
 
 
-def _check_agrees(name: str, local: Any, head: Any) -> None:
+def _check_agrees(name: str, local: Any, head: Any, local_resolved: Any, head_resolved: Any) -> None:
     mine, theirs = _server_block(local), _server_block(head)
     if theirs is None or mine is None:
         raise ConfigError(
@@ -231,22 +365,28 @@ def _check_agrees(name: str, local: Any, head: Any) -> None:
             "local block or make it agree",
             key=name,
         )
-    for field, value in mine[2].items():
-        if field in ("host", "port") or field not in theirs[2]:
+    mine_resolved, theirs_resolved = _server_block(local_resolved), _server_block(head_resolved)
+    mine_fields = mine_resolved[2] if mine_resolved is not None else mine[2]
+    theirs_fields = theirs_resolved[2] if theirs_resolved is not None else theirs[2]
+    for field, value in mine_fields.items():
+        if field in ("host", "port") or field not in theirs_fields:
             continue
-        if not _agrees(value, theirs[2][field]):
+        if not _agrees(value, theirs_fields[field]):
             path = f"{name}.{mine[0]}.{mine[1]}.{field}"
+            text = theirs[2].get(field)
+            written = f" ({text!r} there)" if text != theirs_fields[field] else ""
             raise ConfigError(
-                f"config key '{path}' is {value!r} in the run's config but {theirs[2][field]!r} on the head "
-                "server; the running deployment is the truth: drop the local value or make it agree",
+                f"config key '{path}' is {value!r} in the run's config but {theirs_fields[field]!r} on the "
+                f"head server{written}; the running deployment is the truth: drop the local value or make "
+                "it agree",
                 key=path,
             )
 
 
 def _agrees(local: Any, head: Any) -> bool:
-    """Equal, where a value the head redacted (it hides secrets from clients without its token) agrees
-    with whatever the run's config holds there."""
-    if head == keys.REDACTED:
+    """Equal, where a value the head redacted (it hides secrets from clients without its token), and a
+    value that cannot be resolved here on either side, agree with anything."""
+    if head == keys.REDACTED or isinstance(head, _Unresolved) or isinstance(local, _Unresolved):
         return True
     if isinstance(local, Mapping) and isinstance(head, Mapping):
         return local.keys() == head.keys() and all(_agrees(local[k], head[k]) for k in local)

@@ -5,7 +5,9 @@ hold only:
 
 - a run setting (a :class:`~gym_ray.config.settings.RunSettings` field),
 - a server instance block (a mapping holding a server-type key such as ``responses_api_agents``),
-- a structural key (``head_server``, ``tracing``, ``config_paths``, the routing keys),
+- a structural key (``head_server``, ``tracing``, ``config_paths``, the routing keys, ``default_host``),
+- a NeMo Gym deployment key (:data:`DEPLOYMENT_KEYS`: ``uv_venv_dir``, ``results_dir``, ``policy_*``, ...),
+  accepted so that the config given to ``ng_run`` runs here as it is, and named as unused,
 - a key that an interpolation (``${key}``) refers to.
 
 Anything else is refused before anything starts, with the closest known name and where settings are
@@ -26,7 +28,15 @@ from gym_ray.config._parse import did_you_mean
 from gym_ray.config.settings import CONFIG_PATHS, RunSettings
 from gym_ray.errors import ConfigError
 
-__all__ = ["DOCS", "REFUSED_OPTIONS", "STRUCTURAL_KEYS", "check_run_keys", "interpolation_targets"]
+__all__ = [
+    "DEPLOYMENT_KEYS",
+    "DOCS",
+    "REFUSED_OPTIONS",
+    "STRUCTURAL_KEYS",
+    "check_run_keys",
+    "deployment_keys",
+    "interpolation_targets",
+]
 
 #: Where the settings are documented (named in every refusal).
 DOCS = "docs/nemo-gym.md (NeMo Gym options) and gym_ray.config.settings.RunSettings (every setting)"
@@ -41,6 +51,68 @@ STRUCTURAL_KEYS = frozenset(
         keys.ENVIRONMENT_ROUTING_MODE,
         keys.ENVIRONMENT_SERVER_NAME,
         keys.ALLOW_UNSUPPORTED_PAIRING,
+        # NeMo Gym 0.7's default head host (default_host, else 127.0.0.1; use_absolute_ip: this host's IP).
+        "default_host",
+        "use_absolute_ip",
+    }
+)
+
+#: Top-level keys of a NeMo Gym 0.7 deployment config (what ``ng_run`` / ``gym env start`` reads: its
+#: reserved keys in ``nemo_gym.global_config``, the ``policy_*`` values model blocks interpolate, and the
+#: server-process settings its servers validate from the global config). They configure the servers, their
+#: venvs and ports, not rollout collection, so a run accepts them and names them in one line as unused.
+DEPLOYMENT_KEYS = frozenset(
+    {
+        # nemo_gym.global_config.NEMO_GYM_RESERVED_TOP_LEVEL_KEYS (those without a meaning here)
+        "entrypoint",
+        "disallowed_ports",
+        "head_server_deps",
+        "python_version",
+        "pip_install_verbose",
+        "uv_pip_set_python",
+        "skip_venv_if_present",
+        "hf_token",
+        "ray_head_node_address",
+        "port_range_low",
+        "port_range_high",
+        "dry_run",
+        "server_spinup_timeout_seconds",
+        "model_endpoint_readiness_timeout_seconds",
+        "allow_openai_version_skew",
+        "uv_cache_dir",
+        "uv_lock_timeout_seconds",
+        "uv_venv_dir",
+        "results_dir",
+        "cache_dir",
+        "nemo_gym_log_dir",
+        "verbose",
+        "json",
+        "query",
+        "component_name",
+        "model_call_capture_dir",
+        "skip_verification",
+        "skip_verification_reward",
+        # the model endpoint, interpolated into the policy model's block
+        "policy_base_url",
+        "policy_api_key",
+        "policy_model_name",
+        # config validation and server processes (read from the global config by ng_run and its servers)
+        "error_on_almost_servers",
+        "error_on_agent_without_environment_server",
+        "uvicorn_timeout_worker_healthcheck",
+        "uvicorn_logging_show_200_ok",
+        "uvicorn_proxy_headers",
+        "uvicorn_forwarded_allow_ips",
+        "profiling_enabled",
+        "profiling_results_dirpath",
+        "global_aiohttp_connector_limit",
+        "global_aiohttp_connector_limit_per_host",
+        "global_aiohttp_intended_concurrency",
+        "global_aiohttp_intended_concurrency_per_host",
+        "global_aiohttp_client_request_debug",
+        "global_aiohttp_tcp_keepalive_idle_seconds",
+        "global_aiohttp_tcp_keepalive_interval_seconds",
+        "global_aiohttp_tcp_keepalive_probes",
     }
 )
 
@@ -63,6 +135,10 @@ def _truthy(value: Any) -> bool:
 
 def _is_false(value: Any) -> bool:
     return value is False
+
+
+def _enabled_block(value: Any) -> bool:
+    return isinstance(value, Mapping) and bool(value.get("enabled"))
 
 
 #: NeMo Gym 0.7 option -> (refused when this is true of its value, what to use instead).
@@ -98,6 +174,17 @@ REFUSED_OPTIONS: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "upload_rollouts_to_wandb": (
         _truthy,
         "gym_ray has no exporters (NeMo Gym's CLI ignores this alias too); upload the output files yourself",
+    ),
+    # Deployment keys that would change what 0.7's collector writes when they ask for something.
+    "observability_enabled": (
+        _truthy,
+        "gym-ray run does not fold model-call captures into the rollouts (ng_model_call_capture); "
+        "RolloutCollectionHelper.run_examples does, from the head server's config",
+    ),
+    "token_id_capture": (_enabled_block, "gym_ray does not capture training token ids; drop the block"),
+    "telemetry": (
+        _enabled_block,
+        "gym_ray traces with its own tracing: block (OpenTelemetry); set tracing: {enabled: true, ...}",
     ),
 }
 
@@ -136,8 +223,20 @@ def _is_instance_block(value: Any) -> bool:
 
 
 def known_keys() -> set[str]:
-    """Every top-level name the run config accepts by name (settings and structural keys)."""
-    return set(RunSettings.model_fields) | set(STRUCTURAL_KEYS)
+    """Every top-level name the run config accepts by name (settings, structural and deployment keys)."""
+    return set(RunSettings.model_fields) | set(STRUCTURAL_KEYS) | set(DEPLOYMENT_KEYS)
+
+
+def deployment_keys(cfg: Mapping[str, Any], referenced: Iterable[str] = ()) -> tuple[str, ...]:
+    """The NeMo Gym deployment keys (:data:`DEPLOYMENT_KEYS`) a run's config sets and collection does not
+    use, sorted: an interpolation target (``policy_base_url`` in ``${policy_base_url}``) is used.
+
+    Args:
+        cfg: The run's own merged config.
+        referenced: Top-level keys that interpolations refer to.
+    """
+    refs = set(referenced)
+    return tuple(sorted(str(k) for k in cfg if k in DEPLOYMENT_KEYS and k not in refs))
 
 
 def check_run_keys(cfg: Mapping[str, Any], referenced: Iterable[str] = ()) -> None:

@@ -101,11 +101,15 @@ class Topology:
     _digest: str = field(repr=False)
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> Topology:
+    def from_config(cls, cfg: Mapping[str, Any], *, partial: bool = False) -> Topology:
         """Parse a merged global config (plain dict, as ``OmegaConf.to_container(resolve=True)`` gives).
 
         Args:
             cfg: the merged config. It is deep-copied; later changes to it do not reach the topology.
+            partial: ``cfg`` is only the run's own part of a config that a head server's completes (see
+                :func:`gym_ray.config.run_config.resolve_run_config`): references and routing keys that
+                name instances it does not define are not refused here, since the merged config is
+                parsed again. Such a topology only checks the run's own blocks early.
 
         Returns:
             The immutable topology.
@@ -124,7 +128,7 @@ class Topology:
                 parsed = parse_instance(name, value)
                 if parsed is not None:
                     instances[name], inners[name] = parsed
-        refs = {name: parse_references(inst, instances) for name, inst in instances.items()}
+        refs = {name: parse_references(inst, instances, partial=partial) for name, inst in instances.items()}
         bound = {name: bound_resources_server(inst, refs[name]) for name, inst in instances.items()}
         fronted: dict[str, tuple[str, ...]] = {}
         attributed: dict[str, str | None] = {}
@@ -141,7 +145,7 @@ class Topology:
                     f"{name}.{inst.server_type}.{inst.implementation}.{keys.ALLOWED_AGENTS}",
                 )
         envs = tuple(n for n, i in instances.items() if i.server_type == keys.ENVIRONMENT_SERVERS)
-        routing = parse_routing(raw, envs)
+        routing = parse_routing(raw, envs, partial=partial)
         identity = {
             "instances": {
                 name: {

@@ -258,9 +258,10 @@ async def check_servers(topology: Topology, *, timeout_s: float = PROBE_TIMEOUT_
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for start in range(0, len(names), _PROBES_AT_ONCE):
-            batch = names[start : start + _PROBES_AT_ONCE]
+            # Every address first: one that is missing raises before any probe coroutine exists.
+            batch = [(name, topology.url_of(name)) for name in names[start : start + _PROBES_AT_ONCE]]
             outcomes = await asyncio.gather(
-                *(_probe(session, name, topology.url_of(name), timeout_s) for name in batch),
+                *(_probe(session, name, url, timeout_s) for name, url in batch),
                 return_exceptions=True,
             )
             for outcome in outcomes:
