@@ -146,7 +146,7 @@ def _recorded(run_dir: Path) -> set[tuple[int, int]]:
 def _exited(pid: int) -> bool:
     try:
         status = Path(f"/proc/{pid}/status").read_text(encoding="utf-8")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or exiting as we read
         return True
     return "\nState:\tZ" in status  # a zombie runs no code
 
