@@ -7,7 +7,7 @@ Exit statuses (:data:`EXIT_STATUSES`, also in README.md and ``gym-ray run --help
 
     0    every planned rollout has a result (or failed rows within max_failed_fraction)
     1    any other error (a server, the run folder, a dead driver/coordinator actor, ...)
-    2    bad input, config or arguments: nothing was dispatched
+    2    bad input, config or arguments, or another run holds the folder: nothing was dispatched
     3    the run ended with failed or pending rollouts; rerun the same command to resume
     4    an environment server stayed down past server_outage_timeout_s; rerun once it is back
     130  interrupted by Ctrl-C (SIGINT); resumable when the run folder holds a plan
@@ -22,8 +22,11 @@ import importlib
 import logging
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from gym_ray._streams import unix_streams
 from gym_ray.errors import (
     GymRayError,
     IncompleteRunError,
@@ -51,7 +54,7 @@ EXIT_STATUSES: dict[type[BaseException], int] = {
 EXIT_STATUS_HELP = """exit status:
   0    every planned rollout has a result (or failed rows within max_failed_fraction)
   1    any other error (a server, the run folder, a dead driver or coordinator actor, ...)
-  2    bad input, config or arguments: nothing was dispatched
+  2    bad input, config or arguments, or another run holds the folder: nothing was dispatched
   3    the run ended with failed or pending rollouts; rerun the same command to resume
   4    an environment server stayed down past server_outage_timeout_s; rerun once it is back
   130  interrupted by Ctrl-C; 143 stopped by SIGTERM (resumable once the run folder holds a plan)"""
@@ -89,7 +92,8 @@ def error_line(command: str, exc: BaseException) -> str:
         text = f"gym-ray {command}: {type(exc).__name__}: {exc.strerror or exc}{where}"
     else:
         text = f"gym-ray {command}: {type(exc).__name__}: {exc}"
-    return _ANSI.sub("", text)
+    hint = getattr(exc, "resume_hint", None)  # whether a rerun continues (a run folder that failed)
+    return _ANSI.sub("", text + (f"; {hint}" if hint else ""))
 
 
 class WarningLines(logging.Handler):
@@ -104,6 +108,17 @@ class WarningLines(logging.Handler):
     def __init__(self, command: str) -> None:
         super().__init__(logging.WARNING)
         self.command = command
+        self.shown: set[str] = set()
+
+    def show_warning(
+        self, message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any
+    ) -> None:
+        """``warnings.showwarning`` for one command: the message as one line, without Python's source
+        line, and once, however many passes over the rows raise it."""
+        text = str(message)
+        if text not in self.shown:
+            self.shown.add(text)
+            self.emit(logging.makeLogRecord({"msg": text, "levelno": logging.WARNING}))
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -192,9 +207,23 @@ def build_parser() -> CommandParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``gym-ray`` console script. Returns the process exit code."""
+    """Entry point of the ``gym-ray`` console script. Returns the process exit code.
+
+    stdout and stderr are streams as a Unix tool's (:mod:`gym_ray._streams`): a reader that closes early
+    (``gym-ray status RUN | head -1``) stops the printing, never the command or its exit status.
+    """
+    with unix_streams():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
+    if extras and isinstance(getattr(args, "config", None), list):
+        # `run a.yaml --no-health-check +x=1`: argparse stops the config list at the flag; the YAML files
+        # and overrides after it are the command's too (flags go anywhere on the command line).
+        args.config += [item for item in extras if not item.startswith("-")]
+        extras = [item for item in extras if item.startswith("-")]
     if extras:
         parser.refuse_unknown(args.command, extras)
     if args.command is None:
@@ -211,7 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     warning_lines = WarningLines(args.command)
     package_logger.addHandler(warning_lines)
     try:
-        return int(func(args))
+        with warnings.catch_warnings():  # Python warnings as warning lines too, each message once
+            warnings.filterwarnings("always", category=UserWarning)
+            warnings.showwarning = warning_lines.show_warning
+            return int(func(args))
     except BaseException as raised:
         exc = _unwrap(raised)
         status = exit_status(exc)
@@ -269,8 +301,14 @@ def _aggregate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "config",
         nargs="*",
-        help="YAML config file(s) the run used, then key=value overrides (default: the config the run "
-        "recorded in its folder)",
+        help="YAML config file(s), then key=value overrides (default: the servers and config the run "
+        "recorded in its folder, gym_ray_run.json)",
+    )
+    parser.add_argument(
+        "--use-new-config",
+        action="store_true",
+        help="aggregate against the servers the config given resolves to even where they differ from the "
+        "ones the run recorded (without it such a config is refused, exit 2)",
     )
 
 
@@ -289,6 +327,12 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
         "--no-health-check",
         action="store_true",
         help="do not probe the environment servers (GET /) before the run starts",
+    )
+    parser.add_argument(
+        "--use-new-config",
+        action="store_true",
+        help="resume a run folder against the servers this config resolves to where they are at other "
+        "addresses than the run recorded (gym_ray_run.json); without it such a resume is refused (exit 2)",
     )
     parser.add_argument(
         "--progress",

@@ -102,3 +102,23 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) 
         cli.main(["--version"])
     assert exited.value.code == 0
     assert capsys.readouterr().out == "gym-ray 0.1.0\n"
+
+
+def test_run_help_says_a_folder_another_run_holds_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30: `run --help` left "another run holds the folder" out of exit status 2 (README has it)."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["run", "--help"])
+    assert done.value.code == 0
+    assert (
+        "  2    bad input, config or arguments, or another run holds the folder: nothing was dispatched\n"
+        in capsys.readouterr().out
+    )
+
+
+def test_an_error_that_leaves_a_resumable_folder_says_so_on_its_line() -> None:
+    exc = errors.ShardIOError("shard '00000': appending to runs/r1/rollouts-00000.jsonl failed: ENOSPC")
+    exc.resume_hint = "the run folder runs/r1 is resumable: rerun the same command"  # type: ignore[attr-defined]
+    assert cli.error_line("run", exc) == (
+        "gym-ray run: ShardIOError: shard '00000': appending to runs/r1/rollouts-00000.jsonl failed: ENOSPC; "
+        "the run folder runs/r1 is resumable: rerun the same command"
+    )

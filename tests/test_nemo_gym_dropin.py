@@ -149,11 +149,6 @@ async def test_a_key_an_interpolation_refers_to_is_allowed(tmp_path: Path) -> No
         pytest.param("skills", {"path": "s"}, "stamp skills_ref", id="skills"),
         pytest.param("count_failure_classes_as_zero", ["agent_run_error"], "does not impute", id="fail0"),
         pytest.param("count_missing_rollouts_as_zero", True, "does not impute", id="missing0"),
-        pytest.param("health_check_workers", 4, "gym eval health-check", id="hc_workers"),
-        pytest.param(
-            "health_check_ignored_checks", ["model_call_failed"], "gym eval health-check", id="hc_ign"
-        ),
-        pytest.param("disable_health_check", False, "gym eval health-check", id="hc_on"),
         pytest.param("rollout_collection_driver", "m:f", "no pluggable driver", id="driver"),
         pytest.param("dispatch_longest_first", True, "planned order", id="longest_first"),
         pytest.param("retry_terminal_timeouts", True, "never retries a terminal failure", id="retry_term"),
@@ -169,11 +164,9 @@ async def test_a_nemo_gym_option_gym_ray_does_not_honour_is_refused(
     assert str(info.value).startswith(f"config key '{option}' ({value!r}) is not supported: ")
     assert instead in str(info.value)
     assert info.value.key == option
-    # Their NeMo Gym defaults (nothing asked of gym_ray) pass; disable_health_check=true is what gym_ray does.
+    # Their NeMo Gym defaults (nothing asked of gym_ray) pass.
     standalone = load_bundled_config()  # addresses its servers: no head server is asked
-    if option != "disable_health_check":
-        await resolve_run_config({**standalone, option: None if value not in (True, False) else False})
-    await resolve_run_config({**standalone, "disable_health_check": True})
+    await resolve_run_config({**standalone, option: None if value not in (True, False) else False})
     assert set(REFUSED_OPTIONS) >= {option}
 
 

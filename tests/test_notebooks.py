@@ -1,4 +1,6 @@
-"""Every notebook in notebooks/ runs top to bottom (nbclient) and writes its plot files."""
+"""Every notebook in notebooks/ runs top to bottom (nbclient), writes its plot files, and says nothing on
+stderr: no Ray start-up lines, no "Missing packages: ['ipywidgets']", no stack dump when the kernel is
+stopped (SIGTERM) at the end (issue 30)."""
 
 from __future__ import annotations
 
@@ -39,9 +41,24 @@ def test_notebook_runs_and_writes_its_plots(
     monkeypatch.setenv("GYM_RAY_NOTEBOOK_OUT", str(out))
     # The kernel joins the session's Ray instead of starting its own (seconds saved per notebook).
     monkeypatch.setenv("RAY_ADDRESS", ray_session.get_runtime_context().gcs_address)
-    nbclient.NotebookClient(
-        book, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()
+    kernel_err = tmp_path / "kernel.stderr"
+    with kernel_err.open("w") as stderr:  # the kernel process's own stderr (Ray's C++ lines go there)
+        nbclient.NotebookClient(
+            book, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        ).execute(stderr=stderr)
+    cell_err = [
+        output["text"]
+        for cell in book.cells
+        if cell.cell_type == "code"
+        for output in cell.get("outputs", [])
+        if output.get("output_type") == "stream" and output.get("name") == "stderr"
+    ]
+    assert cell_err == []
+    # What the kernel printed after the notebook ran, apart from jupyter's own warning about plain TCP.
+    kernel_lines = [
+        line for line in kernel_err.read_text().splitlines() if not line.startswith("[IPKernelApp] WARNING")
+    ]
+    assert kernel_lines == []
     for plot in plots:
         path = out / plot
         assert path.is_file(), f"{name} did not write {plot}"

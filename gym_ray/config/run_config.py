@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -64,11 +65,15 @@ class RunConfig:
         topology: Servers and routing (:class:`~gym_ray.config.topology.Topology`); ``topology.raw`` is the
             resolved global config (head's config completed with the run's own keys).
         tracing: The ``tracing:`` block with the ``OTEL_*`` environment applied.
+        dispatch_deadline_unix_s: The run's dispatch deadline (``time.time()`` seconds), set once when the
+            run starts (:meth:`with_dispatch_deadline`) from ``dispatch_budget_s``; every shard of every
+            worker stops starting rollouts at this one instant. None: no budget, or not started yet.
     """
 
     settings: RunSettings
     topology: Topology
     tracing: TracingSettings
+    dispatch_deadline_unix_s: float | None = None
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> RunConfig:
@@ -92,6 +97,29 @@ class RunConfig:
             raise UsageError(f"a worker's share of rollouts in flight must be >= 1, got {max_resident_tasks}")
         share = min(max_resident_tasks, self.settings.max_resident_tasks)
         return replace(self, settings=self.settings.model_copy(update={"max_resident_tasks": share}))
+
+    def with_dispatch_deadline(self, now_unix_s: float | None = None) -> RunConfig:
+        """A copy that carries the run's dispatch deadline: ``now + dispatch_budget_s``, wall-clock.
+
+        Called once where a run starts; the copy goes to every shard and Ray actor, so the budget is the
+        run's, not each shard's. Wall-clock time because actors run in other processes (and on other
+        nodes: a multi-node run assumes the nodes' clocks agree, as NTP keeps them, within the margin that
+        matters). Unchanged when the run has no budget or a deadline already.
+        """
+        budget = self.settings.dispatch_budget_s
+        if budget is None or self.dispatch_deadline_unix_s is not None:
+            return self
+        now = time.time() if now_unix_s is None else now_unix_s
+        return replace(self, dispatch_deadline_unix_s=now + budget)
+
+    def dispatch_budget_left_s(self) -> float | None:
+        """Seconds left before the run's dispatch deadline (>= 0), for one shard's dispatch.
+
+        Without a deadline (a shard run on its own, outside a run), the whole ``dispatch_budget_s``.
+        """
+        if self.dispatch_deadline_unix_s is None:
+            return self.settings.dispatch_budget_s
+        return max(0.0, self.dispatch_deadline_unix_s - time.time())
 
     def with_settings(self, **changes: Any) -> RunConfig:
         """A copy with top-level ``changes`` applied to the config it was built from, checked again."""
@@ -126,6 +154,7 @@ def _merge(
     *,
     overrides: Iterable[str] = (),
     settings: Mapping[str, Any] | None = None,
+    env_file: str | os.PathLike[str] | None = None,
 ) -> tuple[dict[str, Any], set[str]]:
     """The merged config and the top-level keys its interpolations refer to."""
     overrides = list(overrides)
@@ -139,7 +168,7 @@ def _merge(
         referenced = interpolation_targets(cfg)
     else:
         paths = [config] if isinstance(config, str | os.PathLike) else list(config)
-        merged = merge_config(paths, overrides)
+        merged = merge_config(paths, overrides, env_file=env_file)
         referenced = interpolation_targets(OmegaConf.to_container(merged, resolve=False))
         cfg = resolve_config(merged)
     for key, value in (settings or {}).items():
@@ -153,6 +182,7 @@ async def resolve_run_config(
     overrides: Iterable[str] = (),
     settings: Mapping[str, Any] | None = None,
     client_timeout_s: float = 30.0,
+    env_file: str | os.PathLike[str] | None = None,
 ) -> RunConfig:
     """Build a run's :class:`RunConfig`; with a ``head_server``, the running deployment's config is the truth.
 
@@ -173,6 +203,8 @@ async def resolve_run_config(
         overrides: ``key=value`` overrides (YAML paths only).
         settings: Run settings that win over the config.
         client_timeout_s: Seconds to wait for the head server.
+        env_file: NeMo Gym's ``env.yaml`` (YAML paths only), merged over the ``config_paths`` files and
+            under the YAML paths and overrides, as 0.7 merges it (``gym-ray run`` passes the one it finds).
 
     Raises:
         ConfigError: Bad config (before any network call when the run's own keys are at fault), a local
@@ -182,7 +214,7 @@ async def resolve_run_config(
     """
     if isinstance(config, RunConfig):
         return config.with_settings(**settings) if settings else config
-    cfg, referenced = _merge(config, overrides=overrides, settings=settings)
+    cfg, referenced = _merge(config, overrides=overrides, settings=settings, env_file=env_file)
     check_run_keys(cfg, referenced)
     # Parsed here, before any network call, so that a typo fails at once; kept when no head is asked.
     settings_parsed = RunSettings.from_config(cfg)

@@ -219,11 +219,18 @@ def _included_files(top: DictConfig) -> list[str]:
     return found
 
 
-def merge_config(paths: Sequence[str | os.PathLike[str]], overrides: Sequence[str] = ()) -> DictConfig:
+def merge_config(
+    paths: Sequence[str | os.PathLike[str]],
+    overrides: Sequence[str] = (),
+    *,
+    env_file: str | os.PathLike[str] | None = None,
+) -> DictConfig:
     """Merge a run's YAML files and overrides without resolving interpolations (see :func:`load_config`).
 
-    Files named by ``config_paths`` (in the files or the overrides, transitively) are merged first, under
-    the given files and overrides, as NeMo Gym does.
+    Files named by ``config_paths`` (in the files, the overrides or ``env_file``, transitively) are merged
+    first, under the given files and overrides, as NeMo Gym does. ``env_file`` (NeMo Gym's ``env.yaml``,
+    :func:`gym_ray.config.nemo_env.find_env_yaml`) goes over the ``config_paths`` files and under the given
+    files and overrides, as 0.7 merges it; an override may add (``+key``) a key it sets.
 
     Raises:
         ConfigError: As :func:`load_config`, except for interpolations (not resolved here).
@@ -235,9 +242,12 @@ def merge_config(paths: Sequence[str | os.PathLike[str]], overrides: Sequence[st
     merged = _merge_files(paths)
     for override in overrides:
         _apply_override(merged, override)
-    included = _included_files(merged)
+    env = _merge_files([env_file]) if env_file is not None else None
+    included = _included_files(merged if env is None else cast(DictConfig, OmegaConf.merge(env, merged)))
+    layers = ([_merge_files(included)] if included else []) + ([env] if env is not None else [])
+    if layers:
+        merged = cast(DictConfig, OmegaConf.merge(*layers, merged))
     if included:
-        merged = cast(DictConfig, OmegaConf.merge(_merge_files(included), merged))
         merged[CONFIG_PATHS] = included
     return merged
 
@@ -341,7 +351,8 @@ class RunSettings(BaseModel):
         drain_margin_s: time kept back from the budget for draining, or None (automatic).
         route_failures_to_sidecar: write failure records to ``*_failures.jsonl``.
         retry_requests: retry a ``/run`` whose connection failed before an answer.
-        max_rollout_attempts: attempts per rollout before resume gives up on it (rollouts the server
+        max_rollout_attempts: (unset: ``NEMO_GYM_MAX_ROLLOUT_ATTEMPTS`` when set, as in NeMo Gym 0.7)
+            attempts per rollout before resume gives up on it (rollouts the server
             answered with a failure; infrastructure failures do not count).
         max_infra_retries: resends of one rollout after infrastructure failures (connection refused or
             reset, timeout, 429/502/503/504) while its server still looked up; waiting for a down server
@@ -366,8 +377,15 @@ class RunSettings(BaseModel):
         require_complete: fail the run (after writing its files) when a planned rollout has no success.
         resume_from_cache: True resumes the run folder (gym_ray's behaviour anyway); False refuses a folder
             that already holds a run (gym_ray never deletes results); None: resume.
-        retain_results_in_memory / upload_rollouts / disable_health_check: accepted for NeMo Gym command
-            lines (see docs/nemo-gym.md).
+        retain_results_in_memory / upload_rollouts: accepted for NeMo Gym command lines (see
+            docs/nemo-gym.md).
+        disable_health_check: NeMo Gym 0.7's post-run rollout-quality pass (``quality_summary.json`` and
+            ``rollout_verdicts.jsonl`` beside the rollouts, :mod:`gym_ray.record.quality`): False runs it,
+            True skips it, None runs it with ``output_jsonl_fpath`` (0.7's layout and default) and skips
+            it with ``output_dir`` alone. It never runs with ``disable_aggregation``, as in 0.7.
+        health_check_workers: 0.7's process count for that pass; accepted (gym_ray runs it in one).
+        health_check_ignored_checks: check ids that pass leaves out (a list, or one comma-separated
+            string); an unknown id is refused with the known ones.
         health_check: before anything starts, probe every environment server the config routes to
             (``GET /``) and refuse the run when one is unreachable or unhealthy.
         max_failed_fraction: failed rows (of the planned rows) a run may end with and still count as
@@ -377,6 +395,9 @@ class RunSettings(BaseModel):
             duplicate wins). What JSON cannot carry to a server (``NaN`` / ``Infinity``, numbers that
             overflow a double; in rows passed as Python objects, ``nan`` / ``inf`` floats) is refused
             either way, with the file and line or the row: nothing sends it on.
+        use_new_config: resume a run folder whose recorded servers (``gym_ray_run.json``) are at other
+            addresses than this config resolves to (``gym-ray run --use-new-config``); without it such a
+            resume is refused before anything starts. The config's identity must match either way.
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
@@ -416,10 +437,13 @@ class RunSettings(BaseModel):
     resume_from_cache: bool | None = None
     retain_results_in_memory: bool = True
     upload_rollouts: bool = True
-    disable_health_check: bool = True
+    disable_health_check: bool | None = None
+    health_check_workers: int | None = Field(None, ge=1)
+    health_check_ignored_checks: tuple[str, ...] = ()
     health_check: bool = True
     max_failed_fraction: float = Field(0.0, ge=0.0, le=1.0)
     strict_json: bool = True
+    use_new_config: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -453,6 +477,12 @@ class RunSettings(BaseModel):
         if data.get("output_dir") is None and isinstance(output, str) and output:
             path = Path(output)
             data["output_dir"] = str(path.parent / f"{path.stem}_run")
+        if "max_rollout_attempts" not in data:  # unset here: NeMo Gym 0.7's environment variable, if any
+            from gym_ray.config.nemo_env import max_rollout_attempts_from_env
+
+            attempts = max_rollout_attempts_from_env()
+            if attempts is not None:
+                data["max_rollout_attempts"] = attempts
         return data
 
     @property
@@ -473,6 +503,22 @@ class RunSettings(BaseModel):
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"num_repeats must be an int >= 1, got {value!r}")
         return value
+
+    @field_validator("health_check_ignored_checks", mode="before")
+    @classmethod
+    def _check_ignored_checks(cls, value: Any) -> tuple[str, ...]:
+        from gym_ray.record.quality import normalize_ignored_checks  # the check ids live with the pass
+
+        return normalize_ignored_checks(value)
+
+    @property
+    def runs_quality_pass(self) -> bool:
+        """Whether the run ends with 0.7's rollout-quality pass (see ``disable_health_check``)."""
+        if self.disable_aggregation:
+            return False
+        if self.disable_health_check is None:
+            return self.output_jsonl_fpath is not None
+        return not self.disable_health_check
 
     @field_validator("responses_create_params")
     @classmethod

@@ -116,12 +116,6 @@ DEPLOYMENT_KEYS = frozenset(
     }
 )
 
-_QUALITY = (
-    "gym_ray runs no post-run rollout-quality pass (NeMo Gym 0.7's 'health check' reads the written "
-    "rollouts offline); run NeMo Gym's `gym eval health-check <folder> --rollouts-file <output_jsonl_fpath>` "
-    "on the output instead. The check that servers are up before dispatch is gym_ray's own health_check "
-    "setting (--no-health-check)"
-)
 _ZEROS = (
     "gym_ray scores only persisted successes and does not impute zero rewards; failed rollouts are listed "
     "in <stem>_failures.jsonl and missing ones are reported by `gym-ray status`; to score them as zero, run "
@@ -131,10 +125,6 @@ _ZEROS = (
 
 def _truthy(value: Any) -> bool:
     return bool(value)
-
-
-def _is_false(value: Any) -> bool:
-    return value is False
 
 
 def _enabled_block(value: Any) -> bool:
@@ -151,9 +141,6 @@ REFUSED_OPTIONS: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "skills": (lambda v: v is not None, "gym_ray does not load skills; stamp skills_ref on the input rows"),
     "count_failure_classes_as_zero": (_truthy, _ZEROS),
     "count_missing_rollouts_as_zero": (_truthy, _ZEROS),
-    "health_check_workers": (lambda v: v is not None, _QUALITY),
-    "health_check_ignored_checks": (_truthy, _QUALITY),
-    "disable_health_check": (_is_false, _QUALITY),
     "rollout_collection_driver": (
         lambda v: v is not None,
         "NeMo Gym's ng_collect_rollouts ignores it too (serve path only); gym_ray has no pluggable driver; "

@@ -72,6 +72,7 @@ from gym_ray.errors import (
 from gym_ray.observe.tracing_gate import job_span_for, tracer_for
 from gym_ray.record.run_lock import holding_run_folder
 from gym_ray.run._tasks import in_stoppable_thread
+from gym_ray.run.folder_check import check_run_folder
 from gym_ray.run.preflight import planning_note, preflight
 from gym_ray.run.signals import run_until_signal
 
@@ -177,6 +178,7 @@ async def run_actors(
     """
     import ray
 
+    run = run.with_dispatch_deadline()  # kept when the caller set it; every actor gets this one
     settings = run.settings
     started = time.monotonic() if started_at is None else started_at
     if num_workers < 1:
@@ -308,7 +310,8 @@ async def run_actors(
                         launch(replacement)
         await stop_poller(poller)
         if on_progress is not None:
-            on_progress(await progress_snapshot(host, ()))  # every report is in: exact
+            # Every report is in; the workers (still up) add what their failed shards wrote: exact.
+            on_progress(await progress_snapshot(host, live_workers()))
         status = await host.status.remote()
         if status.plan_error is not None:
             raise status.plan_error
@@ -452,6 +455,8 @@ async def acollect(
         ConfigError / InputError / RecordError / ServerError: Bad config, input, ``output_dir``, worker count
             or an unreachable environment server (:func:`gym_ray.run.preflight.preflight`, before Ray starts).
         RunLockError: Another run holds ``output_dir`` (before Ray starts).
+        ResumeError: The folder holds another run (config, input, plan settings; servers at other
+            addresses without ``use_new_config``), before Ray starts and with nothing written.
         GymRayError: Planning or a shard failed; the run folder is resumable.
         ActorLostError: The run's host actor (driver and coordinator) died; the run folder is resumable.
         IncompleteRunError: ``require_complete`` and the run is not complete.
@@ -462,6 +467,8 @@ async def acollect(
     if require_complete:
         settings = {**settings, "require_complete": True}  # finalize_run raises when the run is incomplete
     run = await resolve_run_config(config, overrides=overrides, settings=settings)
+    # dispatch_budget_s counts from here (Ray's start included) for every shard of every worker.
+    run = run.with_dispatch_deadline()
     run_settings = run.settings
     row_list = [dict(row) for row in rows] if rows is not None else None
     # Everything knowable before dispatch (input, output_dir, workers, servers) is refused here.
@@ -469,8 +476,10 @@ async def acollect(
     run_dir = str(Path(str(run_settings.output_dir)))
     tracer = tracer_for(run.tracing)
     show = sys.stderr.isatty() if progress is None else progress
-    # Held before Ray starts: a busy folder is refused at once.
-    with holding_run_folder(run_dir, what="collect"):
+    # The folder against the command (busy, input, config, servers): refused before it is locked or written.
+    check = await asyncio.to_thread(check_run_folder, run, row_list)
+    # Held before Ray starts: a folder taken meanwhile is refused at once.
+    with holding_run_folder(run_dir, what="collect", record=check.record, expect=check.expect) as folder:
         from gym_ray.plan.first_pass import CheckedInput, validate_ahead
 
         # Every row is validated before Ray starts; the driver actor takes the pass over.
@@ -480,9 +489,13 @@ async def acollect(
         checked = await in_stoppable_thread(validate_ahead, run, row_list, discard=CheckedInput.discard)
         view = ProgressView(stream=sys.stderr, enabled=True, interval_s=progress_every_s) if show else None
         try:
-            return await _collect_on_ray(run, row_list, checked, address, num_workers, started, tracer, view)
+            result = await _collect_on_ray(
+                run, row_list, checked, address, num_workers, started, tracer, view
+            )
         finally:
             checked.discard()
+        folder.finish(result.complete)
+        return result
 
 
 async def _collect_on_ray(

@@ -12,7 +12,8 @@ after the other, not atomically, and a shard's tally leaves the worker just befo
 it, so a poll may miss a shard that is changing hands (never count it twice). When a worker dies, what its
 running shards wrote disappears from the sum until a replacement finishes those shards: their report
 counts those rollouts as ``already_done`` (without the server breakdown). The final snapshot, taken after
-every worker returned, is exact for this run.
+every worker returned, is exact for this run: a shard that failed (a server outage stopped it) is never
+reported, and stays counted by the worker that wrote its outcomes.
 
 Server health: each live worker also answers the health of the servers it sends to (its own
 :class:`~gym_ray.dispatch.health.ServerHealth`); a snapshot merges them per server, the worst state winning

@@ -1,10 +1,12 @@
 """Where a run's Ray lives and where its actors go.
 
-- :func:`ray_connection` / :func:`start_ray` / :func:`ray_init_kwargs`: use the Ray this process runs,
+- :func:`ray_connection` / :func:`start_quiet_ray` / :func:`start_ray` / :func:`ray_init_kwargs`: use the
+  Ray this process runs,
   join ``address`` / ``RAY_ADDRESS``, else start a lean local Ray of our own (``address="local"``: never
   silently join another cluster that happens to run on this machine, e.g. one started by ``ray start``
   or a test's multi-node cluster); quiet (Ray's start-up lines and the actors' logs are not printed), a
-  failed start is one line, and Python's SIGTERM handler is put back after Ray's.
+  failed start is one line, and Python's SIGTERM handler is put back after Ray's. :func:`import_ray`
+  imports Ray without the note its first import logs in a Jupyter kernel.
 - :class:`WorkerPlacement` puts worker actors on the nodes that offer CPUs (a head started with
   ``num-cpus=0``, as KubeRay recommends, is left alone), the node with the fewest of the run's live
   workers first, so workers spread by construction and a lost node's replacements go to the others.
@@ -39,6 +41,7 @@ import inspect
 import logging
 import os
 import signal
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -54,14 +57,37 @@ LOCAL_MAX_CPUS = MAX_DEFAULT_WORKERS + 1
 __all__ = [
     "LOCAL_MAX_CPUS",
     "MAX_DEFAULT_WORKERS",
+    "QUIET_RAY",
     "WorkerPlacement",
     "current_node_id",
     "default_num_workers",
+    "import_ray",
     "pinned_to_caller",
     "ray_connection",
     "ray_init_kwargs",
+    "start_quiet_ray",
     "start_ray",
 ]
+
+#: ``ray.init`` options of a Ray gym_ray starts or joins: Ray's own start-up lines (its SIGTERM handler,
+#: token authentication, "Started a local Ray instance") and the actors' log lines (forwarded with ANSI
+#: colour prefixes) are not printed; every error crosses as a typed exception and is reported once by the
+#: caller. The actors' logs stay in Ray's session folder (/tmp/ray/session_latest/logs on the head node).
+QUIET_RAY: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
+
+
+def import_ray() -> Any:
+    """``import ray``, without the line Ray's first import logs in a Jupyter kernel.
+
+    There Ray checks at import for ``ipywidgets`` (to render the value of ``ray.init`` as a widget) and
+    logs "Missing packages: ['ipywidgets']" when it is absent; gym_ray never displays that value, so the
+    check's logger is set to warnings before Ray is first imported. A no-op once Ray is imported.
+    """
+    if "ray" not in sys.modules:
+        logging.getLogger("ray.widgets.util").setLevel(logging.WARNING)
+    import ray
+
+    return ray
 
 
 def ray_init_kwargs(address: str | None) -> dict[str, Any]:
@@ -281,18 +307,12 @@ class WorkerPlacement:
 @asynccontextmanager
 async def ray_connection(address: str | None) -> Any:
     """Use the Ray this process runs, join ``address``/``RAY_ADDRESS``, or start a local one."""
-    import ray
-
+    ray = import_ray()
     if ray.is_initialized():
         yield ray
         return
-    # Ray's own start-up lines and the actors' log lines (forwarded with ANSI colour prefixes) are not
-    # printed: every error crosses as a typed exception and is reported once by the caller. The actors'
-    # logs stay in Ray's session folder (/tmp/ray/session_latest/logs on the head node).
-    quiet: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
-    init = functools.partial(start_ray, address, **quiet)
     try:
-        await asyncio.to_thread(init)
+        await start_quiet_ray(address)
     except Exception as exc:  # Ray raises bare Exception / RuntimeError / ConnectionError here
         where = (
             f"join the Ray cluster at {address or os.environ.get('RAY_ADDRESS')}"
@@ -304,11 +324,23 @@ async def ray_connection(address: str | None) -> Any:
             f"could not {where}: {text}; nothing was dispatched. Check the address or the machine's load, "
             "then rerun"
         ) from exc
-    _restore_sigterm()
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+async def start_quiet_ray(address: str | None) -> None:
+    """Start or join Ray as a run does: :func:`start_ray` in a thread with :data:`QUIET_RAY`, then
+    Python's SIGTERM handler put back (Ray's own prints a stack dump and aborts).
+
+    Raises:
+        Exception: What ``ray.init`` raised (Ray raises bare ``Exception`` / ``RuntimeError`` /
+            ``ConnectionError``); :func:`ray_connection` turns it into one line.
+    """
+    import_ray()
+    await asyncio.to_thread(functools.partial(start_ray, address, **QUIET_RAY))
+    _restore_sigterm()
 
 
 def _restore_sigterm() -> None:

@@ -33,7 +33,9 @@ Live progress: :meth:`RolloutWorker.progress` answers the outcomes written so fa
 is *running* (counts by environment server with reward sums, failures), counted per outcome by
 ``run_shard``'s ``on_outcome`` hook (a few integer additions). When a shard finishes its tally moves to the
 coordinator with the shard's report, so "coordinator + live workers" counts every outcome of the run once
-(see :mod:`gym_ray.distributed.api`). It also carries the worker's server health (one
+(see :mod:`gym_ray.distributed.api`). A shard that *failed* is never reported: its tally stays with the
+worker (its outcomes are on disk), so the run's last progress line still counts them. It also carries the
+worker's server health (one
 :class:`~gym_ray.dispatch.health.ServerHealth` shared by its lanes: which server looks down, for how long),
 so the driver's progress line names a down server (:mod:`gym_ray.distributed.live`).
 
@@ -221,6 +223,8 @@ class RolloutWorker:
         self._failed_by_class: Counter[str] = Counter()
         self._failures: list[ShardFailure] = []
         self._live: dict[str, OutcomeTally] = {}
+        # What the shards that failed here wrote before they failed (never reported to the coordinator).
+        self._stopped = OutcomeTally()
         self._health: ServerHealth | None = None
 
     def node_id(self) -> str:
@@ -238,8 +242,10 @@ class RolloutWorker:
         return tuple(sorted(self._live))
 
     def progress(self) -> WorkerProgress:
-        """Outcomes written so far by the shards this worker is running (cheap; poll it every second)."""
+        """Outcomes written so far by the shards this worker is running, and by those that failed here
+        (never reported to the coordinator); cheap, poll it every second."""
         total = OutcomeTally()
+        total.add_tally(self._stopped)
         for tally in self._live.values():
             total.add_tally(tally)
         return WorkerProgress(
@@ -373,7 +379,9 @@ class RolloutWorker:
         await self._host.report_shard.remote(self._worker_id, report, tally.servers())
 
     async def _on_error(self, spec: ShardSpec, exc: Exception) -> None:
-        self._live.pop(spec.shard, None)
+        written = self._live.pop(spec.shard, None)
+        if written is not None:
+            self._stopped.add_tally(written)
         if isinstance(exc, GymRayError):
             error: GymRayError = exc
         else:

@@ -4,13 +4,16 @@
 ``(row, record)`` pairs that recording produces (``run_shards``' ``on_outcome`` hook) into those counts.
 
 Output promises: the display writes at most one line per ``interval_s`` (an in-place ``\\r`` rewrite on a
-TTY, a full ``\\n``-terminated line otherwise) and exactly one final line on :meth:`ProgressDisplay.close`.
+TTY, a full ``\\n``-terminated line otherwise) and one final line on :meth:`ProgressDisplay.close`, unless
+the last line written already shows the final counts (a line is never repeated; on a TTY close then only
+ends the line). A stream that fails (closed, full disk) ends the display, never the run.
 A disabled display (the default when the stream is not a TTY) writes nothing; an update then only stores
 the counts. Both classes are meant for one thread / event loop; they do no locking.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -22,6 +25,8 @@ from gym_ray.errors import UsageError
 from gym_ray.observe.rate import DEFAULT_RATE_WINDOW_S, RateMeter
 
 __all__ = ["ProgressCounter", "ProgressDisplay", "format_duration"]
+
+logger = logging.getLogger(__name__)
 
 
 def format_duration(seconds: float) -> str:
@@ -48,7 +53,8 @@ class ProgressDisplay:
     """Renders ``"1234/5000 (24.7%) 310.2/s failed 3 ETA 12s | arith_env 0.84 arith_env_hard 0.69"``.
 
     The rate is rollouts settled per second over the last ``window_s`` seconds (a
-    :class:`~gym_ray.observe.rate.RateMeter`; ``--/s`` while unknown); the ETA is the rollouts left at
+    :class:`~gym_ray.observe.rate.RateMeter`; ``--/s`` while unknown: with ``baseline=None``, until a
+    second update); the ETA is the rollouts left at
     that rate (``--`` while the rate is unknown or zero); each environment server shows its mean reward
     over its successes (``-`` with none), servers in name order.
 
@@ -90,6 +96,10 @@ class ProgressDisplay:
         self.meter = RateMeter(window_s=window_s, clock=clock)
         if baseline is not None:
             self.meter.observe(baseline)
+        # Without a baseline the first update is the rate's start: no rate until a second one.
+        self._updates_before_rate = 0 if baseline is not None else 2
+        self._updates = 0
+        self._shown: tuple[Any, ...] | None = None  # the counts of the last line written
         self._last_render: float | None = None
         self._width = 0
         self._closed = False
@@ -120,6 +130,7 @@ class ProgressDisplay:
             failed_by_class: Failures by class, shown after the failure count when not empty.
         """
         self.meter.observe(done if rate_count is None else rate_count)
+        self._updates += 1
         self.done = done
         self.failed = failed
         self.by_server = dict(by_server)
@@ -135,10 +146,12 @@ class ProgressDisplay:
     def render(self) -> str:
         """The progress line for the counts as they stand (no line ending)."""
         now = self._clock()
-        rate_per_s = self.meter.rate_per_s(now=now)
+        rate_known = self._updates >= self._updates_before_rate
+        rate_per_s = self.meter.rate_per_s(now=now) if rate_known else None
         rate = "--" if rate_per_s is None else f"{rate_per_s:.1f}"
         percent = 100.0 * self.done / self.total if self.total else 100.0
-        eta_s = self.meter.eta_s(self.total - self.done, now=now)
+        remaining = self.total - self.done
+        eta_s = self.meter.eta_s(remaining, now=now) if rate_known or remaining <= 0 else None
         eta = "--" if eta_s is None else format_duration(eta_s)
         classes = ", ".join(f"{k}={v}" for k, v in sorted(self.failed_by_class.items()))
         failed = f"{self.failed} ({classes})" if classes else str(self.failed)
@@ -163,12 +176,28 @@ class ProgressDisplay:
             self._write(self.render(), final=False)
 
     def close(self) -> None:
-        """Write the final line (when enabled). Idempotent."""
+        """Write the final line (when enabled and the last line written shows other counts). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self.enabled:
-            self._write(self.render(), final=True)
+        if not self.enabled:
+            return
+        if self._shown == self._counts():
+            if self._tty:  # the in-place line already shows the final counts: only end it
+                self._emit("\n")
+            return
+        self._write(self.render(), final=True)
+
+    def _counts(self) -> tuple[Any, ...]:
+        """What a line shows apart from the rate and the ETA."""
+        return (
+            self.done,
+            self.total,
+            self.failed,
+            tuple(sorted(self.by_server.items())),
+            tuple(sorted(self.failed_by_class.items())),
+            self.note,
+        )
 
     def __enter__(self) -> ProgressDisplay:
         return self
@@ -177,13 +206,21 @@ class ProgressDisplay:
         self.close()
 
     def _write(self, line: str, *, final: bool) -> None:
+        self._shown = self._counts()
         if self._tty:
             padded = line.ljust(self._width)
             self._width = len(line)
-            self._stream.write("\r" + padded + ("\n" if final else ""))
+            self._emit("\r" + padded + ("\n" if final else ""))
         else:
-            self._stream.write(line + "\n")
-        self._stream.flush()
+            self._emit(line + "\n")
+
+    def _emit(self, text: str) -> None:
+        try:
+            self._stream.write(text)
+            self._stream.flush()
+        except (OSError, ValueError) as exc:  # a closed or full stream ends the display, never the run
+            self.enabled = False
+            logger.debug("progress: display stopped: %s: %s", type(exc).__name__, exc)
 
 
 def _mean(successes: int, reward_sum: float) -> str:

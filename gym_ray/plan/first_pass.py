@@ -35,7 +35,8 @@ from typing import Any
 from gym_ray.config.run_config import RunConfig
 from gym_ray.config.settings import RunSettings
 from gym_ray.config.topology import Topology
-from gym_ray.errors import GymRayError, InputError, InternalError, UsageError
+from gym_ray.errors import GymRayError, InputError, InternalError, RoutingError, UsageError, ValidationError
+from gym_ray.plan._locate import located_error
 from gym_ray.plan._parallel_pass import CountedPart, valid_ranges
 from gym_ray.plan._spill_dedupe import RangeRecorder, RecordedPart, SpillDedupe, owned_folder
 from gym_ray.plan._valid_lines import count_valid_lines
@@ -204,8 +205,15 @@ def first_pass(
                 recorder.close()
     except (GymRayError, RowsInvalid) as exc:
         # The pass numbers tasks with stand-ins; redo it with exact numbers so the error names each row
-        # by its real task index (failing runs only).
-        count_rows(source(), topology)
+        # by its real task index (failing runs only). A file's first bad row is named by its line, on one
+        # line (_locate).
+        try:
+            count_rows(source(), topology)
+        except (ValidationError, RoutingError, InputError) as general:
+            located = located_error(settings, topology, stop) if rows is None else None
+            if located is None:
+                raise
+            raise located from general
         if isinstance(exc, GymRayError):
             raise
         raise InternalError(f"the validation pass refused {exc}, which the general pass accepts") from exc

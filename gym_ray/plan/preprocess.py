@@ -303,10 +303,11 @@ class _Preprocessor:
             for key in (agent, task_source, keys.DEFAULT_KEY):
                 if key is not None and key in self.agent_map:
                     mapped = self.agent_map[key]
-                    if mapped != agent:
-                        if agent is not None:
-                            self.overridden.add((agent, mapped))
-                        base[keys.AGENT_REF], agent = {"name": mapped}, mapped
+                    if agent is not None and mapped != agent:
+                        self.overridden.add((agent, mapped))
+                    # As 0.7 does: a mapped row's agent_ref becomes exactly {"name": mapped}, also when
+                    # it named that agent already (its other fields, e.g. "type", are dropped).
+                    base[keys.AGENT_REF], agent = {"name": mapped}, mapped
                     break
         targets: Sequence[str | None]
         if env is not None:

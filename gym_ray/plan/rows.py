@@ -120,6 +120,14 @@ class Problems:
     def __bool__(self) -> bool:
         return bool(self._rows)
 
+    def count(self) -> int:
+        """Rows counted under every problem (each once per problem it has)."""
+        return sum(self._counts.values())
+
+    def first(self) -> str:
+        """The text of the first problem found (without the rows it names)."""
+        return next(iter(self._rows))
+
     def lines(self) -> list[str]:
         """One line per problem: its text and the rows it names (``and N more`` past the limit)."""
         out = []

@@ -16,7 +16,7 @@ from gym_ray.errors import ResumeError
 from gym_ray.plan.resume import verify_recorded_inputs
 from gym_ray.record.atomic import atomic_write_bytes
 
-__all__ = ["RUN_MANIFEST", "open_run", "read_run_manifest", "write_run_manifest"]
+__all__ = ["RUN_MANIFEST", "open_run", "other_config_error", "read_run_manifest", "write_run_manifest"]
 
 
 RUN_MANIFEST = "run_manifest.json"
@@ -50,16 +50,23 @@ def open_run(
     """The run id of ``root`` (kept from its run manifest on resume) and that manifest, if any."""
     existing = read_run_manifest(root)
     if existing is not None:
-        old_identity = existing.get("config_identity")
-        if old_identity and config_identity and old_identity != config_identity:
-            raise ResumeError(
-                f"{root} was collected with another configuration (identity {old_identity[:12]}..., now "
-                f"{config_identity[:12]}...): servers, routing or sampling settings changed. Resume with the "
-                "config that started the run, or pass a new output_dir"
-            )
+        refused = other_config_error(root, existing.get("config_identity"), config_identity)
+        if refused is not None:
+            raise refused
         verify_recorded_inputs(root)  # a resume: damaged inputs stop it before anything is dispatched
         run_id = str(existing["run_id"])
     return run_id or uuid.uuid4().hex[:12], existing
+
+
+def other_config_error(root: Path, recorded: Any, config_identity: str | None) -> ResumeError | None:
+    """The refusal of a resume whose config identity is not the one ``root`` recorded (None: it is)."""
+    if not recorded or not config_identity or recorded == config_identity:
+        return None
+    return ResumeError(
+        f"{root} was collected with another configuration (identity {str(recorded)[:12]}..., now "
+        f"{config_identity[:12]}...): servers, routing or sampling settings changed. Resume with the "
+        "config that started the run, or pass a new output_dir"
+    )
 
 
 def write_run_manifest(

@@ -1,17 +1,17 @@
 """The per-task lists of an ``/aggregate_metrics`` reply, encoded as the metrics file holds them.
 
 ``FragmentWriter`` is the callback ``json_stream.iter_object`` hands each element of a streamed list
-(``group_level_metrics`` / ``repeat_level_metrics``) to: it encodes the element as
-``json.dumps(element, indent=2, ensure_ascii=False, allow_nan=False)`` does, shifted to the element's
-nesting in the metrics file (six spaces), and appends it to a fragment file (elements separated by
-``",\\n"``). ``indented`` gives orjson's text where it provably equals ``json``'s
-(:func:`gym_ray._json.orjson_text`), else ``json``'s.
+(``group_level_metrics`` / ``repeat_level_metrics``) to: it encodes the element as NeMo Gym 0.7 writes
+its metrics file, ``orjson.dumps(..., option=OPT_INDENT_2)`` (:func:`indented`; NaN and infinity refused as
+``json``'s ``allow_nan=False`` refuses them, ``json``'s text only for an integer beyond 64 bits, which
+orjson cannot write), shifted to the element's nesting in the metrics file (six spaces), and appends it to
+a fragment file (elements separated by ``",\\n"``).
 
 A run of elements that ``json_stream`` read at once with orjson is encoded at once (``on_run``): orjson's
 text of the run as one list, indented two more spaces per line, is the elements' own texts joined the
-way one-by-one writing joins them, where the run's text holds none of ``orjson_text``'s unsure marks (then
-no element's text does); else each element is written by itself. An element orjson read cannot fail to
-encode (no NaN, infinity or lone surrogate), so a run raises no error one-by-one writing would raise.
+way one-by-one writing joins them; a run orjson cannot encode is written element by element. An element
+orjson read cannot hold NaN, infinity or a lone surrogate, so a run raises no error one-by-one writing
+would raise.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from gym_ray._json import orjson_text
 from gym_ray.errors import ServerResponseError
 
 __all__ = ["STOP_CHECK_ROWS", "FragmentWriter", "Stopped", "indented"]
@@ -43,16 +42,22 @@ class Stopped(Exception):
     """Raised by work run through ``run_joined`` when it notices that its caller was cancelled."""
 
 
-def indented(element: dict[str, Any]) -> bytes:
-    """``json.dumps(element, indent=2, ensure_ascii=False, allow_nan=False)`` in UTF-8, byte for byte.
+def indented(value: Any) -> bytes:
+    """``value`` as NeMo Gym 0.7 writes its metrics file: ``orjson.dumps(value, option=OPT_INDENT_2)``.
 
-    orjson's text where it provably equals it, else ``json``'s.
+    Where orjson cannot encode it (an integer beyond 64 bits, on which 0.7's writer fails), ``json``'s text
+    (indent 2, UTF-8).
 
     Raises:
-        ValueError: NaN/infinity, or a lone surrogate (from ``json``).
+        ValueError: NaN/infinity (orjson would write ``null``), or a lone surrogate.
     """
-    text = orjson_text(element, orjson.OPT_INDENT_2)
-    return _INDENTED.encode(element).encode("utf-8") if text is None else text
+    try:
+        text = orjson.dumps(value, option=orjson.OPT_INDENT_2)
+    except orjson.JSONEncodeError:
+        return _INDENTED.encode(value).encode("utf-8")
+    if b"null" in text and orjson.loads(text) != value:  # a NaN or infinity became null
+        _INDENTED.encode(value)  # raises json's ValueError naming it (allow_nan=False)
+    return text
 
 
 class FragmentWriter:
@@ -103,7 +108,10 @@ class FragmentWriter:
             raise Stopped
         if self.done:
             raise ServerResponseError(f"{self.what} that names {self.key!r} twice; {self.hint}")
-        text = orjson_text(run, orjson.OPT_INDENT_2)
+        try:
+            text: bytes | None = orjson.dumps(run, option=orjson.OPT_INDENT_2)
+        except orjson.JSONEncodeError:  # an integer beyond 64 bits: element by element
+            text = None
         if text is None or not run:
             for element in run:
                 self(element)

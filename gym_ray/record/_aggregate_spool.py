@@ -16,9 +16,9 @@ The reply side: ``ServerSpools.reply_path`` names the file a server's reply is s
 ``group_level_metrics`` / ``repeat_level_metrics`` is encoded at once as the metrics file will hold it
 (indent 2, shifted to its nesting level) and appended to a per-server fragment file, so memory does not
 grow with the number of tasks. ``write_metrics_atomic`` writes the metrics file entry by entry, copying
-the fragments in chunks: byte for byte ``json.dumps(entries, indent=2, ensure_ascii=False,
-allow_nan=False) + "\\n"`` with each fragment's list in place, through ``atomic_writer`` (temp file,
-fsync, rename, fsync of the folder).
+the fragments in chunks: byte for byte NeMo Gym 0.7's ``orjson.dumps(entries, option=OPT_INDENT_2)`` (no
+newline at the end) with each fragment's list in place, through ``atomic_writer`` (temp file, fsync,
+rename, fsync of the folder).
 
 Concurrency: one ``ServerSpools`` is filled (``add``, ``finish``) from one thread; afterwards
 ``write_body`` may run for several servers at once in several threads (each touches only its own
@@ -52,7 +52,7 @@ from gym_ray.errors import (
     ValidationError,
 )
 from gym_ray.plan.rows import MAX_LISTED_ROWS
-from gym_ray.record._aggregate_fragments import STOP_CHECK_ROWS, FragmentWriter, Stopped
+from gym_ray.record._aggregate_fragments import STOP_CHECK_ROWS, FragmentWriter, Stopped, indented
 from gym_ray.record.atomic import atomic_writer
 from gym_ray.record.json_stream import EXCERPT_BYTES, StreamedList, iter_object
 
@@ -535,7 +535,12 @@ class _Chunks:
 
 
 def write_metrics_atomic(path: Path, entries: Sequence[Mapping[str, Any]], stop: threading.Event) -> None:
-    """Replace ``path`` with ``json.dumps(entries, indent=2, ensure_ascii=False, allow_nan=False) + "\\n"``.
+    """Replace ``path`` with ``orjson.dumps(entries, option=OPT_INDENT_2)``: NeMo Gym 0.7's metrics file.
+
+    No newline at the end, numbers as orjson writes them (``1e-5``, where ``json`` writes ``1e-05``), as
+    0.7 writes the file (``_aggregate_fragments.indented``). NaN and infinity are refused (as ``json``'s
+    ``allow_nan=False``); an integer beyond 64 bits, which orjson cannot write (0.7 fails there), is
+    written as ``json`` writes it.
 
     The entries are dicts; their values are JSON values or ``Fragment``s (a list of objects, already
     encoded at its nesting level by ``read_reply``), written as the list they hold. The text is written in
@@ -555,9 +560,9 @@ def write_metrics_atomic(path: Path, entries: Sequence[Mapping[str, Any]], stop:
             out.write(",\n  {" if index else "\n  {")
             for position, (key, value) in enumerate(entry.items()):
                 out.write(",\n" if position else "\n")
-                out.write(f"{_MEMBER_INDENT}{_INDENTED.encode(key)}: ")
+                out.write(f"{_MEMBER_INDENT}{indented(key).decode()}: ")
                 if not isinstance(value, Fragment):
-                    out.write(_INDENTED.encode(value).replace("\n", "\n" + _MEMBER_INDENT))
+                    out.write(indented(value).decode().replace("\n", "\n" + _MEMBER_INDENT))
                 elif value.count == 0:
                     out.write("[]")
                 else:
@@ -565,5 +570,5 @@ def write_metrics_atomic(path: Path, entries: Sequence[Mapping[str, Any]], stop:
                     out.copy(value.path)
                     out.write(f"\n{_MEMBER_INDENT}]")
             out.write("\n  }" if entry else "}")
-        out.write("\n]\n" if entries else "\n")
+        out.write("\n]" if entries else "")
         out.flush()

@@ -26,7 +26,8 @@ with ``gym_ray.record.json_stream``: the small members (``agent_metrics``, ``key
 ``perf_summary``) are validated as ``AggregateMetricsReply``, while each element of
 ``group_level_metrics`` / ``repeat_level_metrics`` (one per task) is encoded as the metrics file holds it
 and appended to a fragment file, at most one buffer's elements in memory. The metrics file is written entry
-by entry, the fragments copied in chunks (the bytes ``json.dumps(entries, indent=2)`` would give).
+by entry, the fragments copied in chunks (the bytes NeMo Gym 0.7's ``orjson.dumps(entries,
+option=OPT_INDENT_2)`` would give).
 Durability: the metrics file is replaced atomically (temp file, fsync, rename, fsync of the folder).
 Concurrency: one task per server in an ``asyncio.TaskGroup``; each task records its own outcome;
 cancellation cancels every request, waits for the worker thread in use (it stops at its next row),
@@ -82,6 +83,7 @@ if TYPE_CHECKING:
     from gym_ray.dispatch.client import ServerClient
 
 __all__ = [
+    "AGGREGATE_ERRORS_FILE",
     "AGGREGATE_FILE_NAME",
     "AggregateEntry",
     "AggregateMetricsReply",
@@ -97,6 +99,9 @@ __all__ = [
 
 #: Name of the metrics file inside a run folder.
 AGGREGATE_FILE_NAME = "rollouts_aggregate_metrics.json"
+#: Beside the metrics file: the entries of the last aggregate, when it failed (``gym-ray aggregate`` keeps
+#: the metrics file then); removed by the next aggregate that writes a metrics file.
+AGGREGATE_ERRORS_FILE = "rollouts_aggregate_metrics.errors.json"
 _MERGED_FILE_NAME = "rollouts.jsonl"
 _AGGREGATE_PATH = "/aggregate_metrics"
 _STRICT = json.JSONEncoder(allow_nan=False)

@@ -102,9 +102,28 @@ class LedgerReport(BaseModel):
 
     def __str__(self) -> str:
         """A short summary line (the identities behind each figure are in the ``*_ids`` fields)."""
-        verdict = "ok" if self.ok else "NOT ok"
-        figures = ", ".join(f"{k} {v}" for k, v in self.as_dict().items() if k not in ("source", "ok"))
-        return f"ledger of {self.run_dir} ({self.source}): {verdict}: {figures}"
+        return f"ledger of {self.run_dir} ({self.source}): {self.describe()}"
+
+    def describe(self) -> str:
+        """The verdict and the figures in one readable line, e.g. ``"ok: lost 0, missing 0, duplicates 0,
+        unexpected 0, corrupt lines 0, unidentified lines 0, unplanned 0; planned 8, recorded 8, settled 8"``
+        (``wasted requests N`` follows when request counts were given)."""
+        checked = ", ".join(
+            f"{name} {value}"
+            for name, value in (
+                ("lost", self.lost),
+                ("missing", self.missing),
+                ("duplicates", self.duplicates),
+                ("unexpected", self.unexpected),
+                ("corrupt lines", self.corrupt_lines),
+                ("unidentified lines", self.unidentified_lines),
+                ("unplanned", self.unplanned),
+            )
+        )
+        counted = f"planned {self.planned}, recorded {self.recorded}, settled {self.settled}"
+        if self.wasted_requests is not None:
+            counted += f", wasted requests {self.wasted_requests}"
+        return f"{'ok' if self.ok else 'NOT ok'}: {checked}; {counted}"
 
     def as_dict(self) -> dict[str, Any]:
         """The figures as a flat dict (for printing a scenario's result)."""

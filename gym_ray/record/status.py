@@ -1,12 +1,18 @@
-"""Run status (``gym-ray status RUN_DIR``) and the ``gym-ray aggregate RUN_DIR CONFIG...`` command.
+"""Run status (``gym-ray status RUN_DIR``); ``gym-ray aggregate`` is :mod:`gym_ray.record.aggregate_command`.
 
-``run_status`` reads a run folder without taking any lock or writing anything: each shard's files are
-the truth (successes, failure attempts by class, omitted rows), ``plan_resume`` says what a resume would
-run, and the ``.manifest.json`` / ``.progress.json`` files give the rate and ETA: each running shard rewrites
-its progress file every few seconds (``PROGRESS_FILE_INTERVAL_S`` of :mod:`gym_ray.run.collect`), so the
-attempts counted in the progress files and their timestamps describe the same moments, for finished and
-running shards alike. A shard being written while it is read is counted as it stands (a torn last line is
-skipped, never an error).
+``run_status`` reads a run folder without taking any lock (beyond a non-blocking probe of the run lock)
+or writing anything. First the run's state (:mod:`gym_ray.record.run_state`): running (a process holds
+the run lock), stopped (how and when; ``killed`` when the lock is free but the state file still says
+running), finished (complete or incomplete), or unknown (no state file). Then the counts: each shard's
+files are the truth (successes, failure attempts by class, omitted rows) and ``plan_resume`` says which
+rows failed, which are pending and what a resume would run, counted as the run summary counts them
+(:class:`~gym_ray.run.result.RunResult`: every planned row is succeeded, failed or pending). The rate and
+ETA are given only while the run is running, from the ``.manifest.json`` / ``.progress.json`` files: each
+running shard rewrites its progress file every few seconds (``PROGRESS_FILE_INTERVAL_S`` of
+:mod:`gym_ray.run.collect`), so the attempts counted in the progress files and their timestamps describe
+the same moments. A shard being written while it is read is counted as it stands (a torn last line is
+skipped, never an error). Last, the merged file and the last aggregate's outcome (its metrics file, or
+the errors file a failed ``gym-ray aggregate`` left).
 
 Cost: every shard file is read once or twice (the counts and the resume plan), streaming; memory grows
 with the identities of one shard, not with the run.
@@ -15,7 +21,6 @@ with the identities of one shard, not with the run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import time
@@ -27,17 +32,22 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from gym_ray import keys
-from gym_ray.errors import AggregationError, InputError, ResumeError, UsageError
+from gym_ray.errors import InputError, ResumeError, UsageError
 from gym_ray.observe.rate import RateMeter
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.record.aggregate import (
+    AGGREGATE_ERRORS_FILE,
     AGGREGATE_FILE_NAME,
     AggregateEntry,
     read_metrics_summary,
 )
+from gym_ray.record.aggregate_command import aggregate_main
 from gym_ray.record.jsonl import JsonlReader
 from gym_ray.record.outage_note import read_outage
+from gym_ray.record.run_lock import describe_holder, lock_holder
+from gym_ray.record.run_record import RUN_RECORD_FILE
+from gym_ray.record.run_state import describe_state, observe_state
 from gym_ray.record.shard_files import list_shards, record_identity, shard_paths
 
 __all__ = [
@@ -47,10 +57,12 @@ __all__ = [
     "ShardStatus",
     "aggregate_main",
     "format_status",
-    "record_run_command",
     "run_status",
     "status_main",
 ]
+
+#: The run record's name (kept under its former name: :mod:`gym_ray.record.run_record` owns it).
+RUN_COMMAND_FILE = RUN_RECORD_FILE
 
 _DEFAULT_MAX_ATTEMPTS = 3
 
@@ -59,9 +71,12 @@ class ShardStatus(BaseModel):
     """One shard's counts, read from its files.
 
     ``planned``: rows in the materialized inputs (None when that file is missing). ``succeeded``:
-    distinct identities with a success line. ``failed_attempts`` / ``failed_by_class``: failure lines
-    (omitted rows excluded). ``terminal`` / ``maxed_out`` / ``pending`` / ``retrying``: from the resume
-    plan (None when the shard cannot be planned; ``resume_error`` says why). ``created_at``: the
+    distinct identities with a success line. ``failed_attempts`` / ``failed_by_class``: failure lines of
+    rows without a success (omitted rows excluded): the lines the merge keeps in ``rollouts_failures.jsonl``,
+    which the run summary's ``failure_attempts`` counts. From the resume plan (None when the shard cannot
+    be planned; ``resume_error`` says why): ``failed`` rows (no success, some failure attempt: ``terminal`` +
+    ``maxed_out`` + ``retrying``), ``pending`` rows (no outcome yet), ``resumable`` (what a resume runs:
+    pending and retrying rows). ``created_at``: the
     manifest's; ``updated_at``: the progress file's (epoch seconds); ``progress_attempts``: the success and
     failure lines the progress file counted at ``updated_at`` (None without a progress file).
     """
@@ -83,27 +98,49 @@ class ShardStatus(BaseModel):
     updated_at: float | None
     resume_error: str | None = None
     progress_attempts: int | None = None
+    failed: int | None = None
+    resumable: int | None = None
 
 
 class RunStatus(BaseModel):
-    """A run folder's status: per-shard counts, totals, what resume would run, rate and ETA.
+    """A run folder's status: its state, per-shard counts, totals, what resume would run, rate and ETA.
 
-    Totals sum the shards (``pending`` and friends over the shards that could be planned). ``planned`` is
-    the run's full size when its run manifest records it (a run interrupted while planning has cut only
-    part of its shards); ``unplanned`` is the rows not cut into shards yet, counted in ``pending``.
-    Rows and attempts are apart: ``succeeded`` counts rows, ``failed_attempts`` failure lines.
+    ``state``: ``running``, ``stopped``, ``finished`` or ``unknown``; ``stopped_by`` for a stopped run
+    (``sigterm``, ``ctrl-c``, ``cancelled``, ``server-outage``, ``error``, ``killed``); ``state_at``:
+    when it started (running), ended (stopped, finished) or last updated its progress (killed);
+    ``state_detail``: the outage's server, the error, or what killed means; ``holder``: the process that
+    holds the folder's lock (a run, or a ``gym-ray aggregate``); ``finished_complete``: the run summary's
+    ``complete`` of a finished run. ``state_line`` is the line ``gym-ray status`` prints first.
+
+    Totals sum the shards (over the shards that could be planned). Rows are counted as the run summary
+    counts them: every planned row is ``succeeded``, ``failed`` (some failure attempt, no success) or
+    ``pending`` (no outcome yet). ``resumable`` is what a resume runs (pending rows and failed rows with
+    attempts left, ``retrying``); ``terminal`` and ``maxed_out`` are the failed rows a resume leaves.
+    ``planned`` is the run's full size when its run manifest records it (a run interrupted while planning
+    has cut only part of its shards); ``unplanned`` is the rows not cut into shards yet, counted in
+    ``pending`` and ``resumable``. Rows and attempts are apart: ``failed_attempts`` counts failure lines
+    (of rows without a success, as the summary's ``failure_attempts``).
     ``rate_per_s`` is rollout attempts recorded per second (a :class:`~gym_ray.observe.rate.RateMeter`):
     the attempts the shards' progress files counted, between the earliest manifest and the latest
     progress update (a live run's running shards rewrite theirs every few seconds, so the counts and the
-    end time match); ``eta_s`` is ``pending / rate_per_s``. Both are None without timestamps or
-    progress; a resumed run includes the pause in its elapsed time.
+    end time match); ``eta_s`` is ``pending / rate_per_s``. Both are None unless the run is running (and
+    has timestamps and progress); a resumed run includes the pause in its elapsed time.
     ``aggregate_servers`` is None when no metrics file exists; ``aggregate_failed`` names the servers
-    whose entry holds an ``aggregation_error``.
+    whose entry holds an ``aggregation_error``. ``aggregate_errors_path`` is set when the last
+    ``gym-ray aggregate`` failed (its errors file, which a successful aggregate removes), with the servers
+    that failed in ``aggregate_errors_failed``.
     """
 
     model_config = ConfigDict(frozen=True)
 
     run_dir: str
+    state: str = "unknown"
+    stopped_by: str | None = None
+    state_at: float | None = None
+    state_detail: str | None = None
+    holder: str | None = None
+    finished_complete: bool | None = None
+    state_line: str = ""
     shards: tuple[ShardStatus, ...]
     planned: int
     succeeded: int
@@ -124,11 +161,15 @@ class RunStatus(BaseModel):
     aggregate_failed: tuple[str, ...]
     server_outage: str | None = None
     unplanned: int = 0
+    failed: int = 0
+    resumable: int = 0
+    aggregate_errors_path: str | None = None
+    aggregate_errors_failed: tuple[str, ...] = ()
 
     @property
     def complete(self) -> bool:
         """True when every shard could be planned and resume would run nothing."""
-        return self.pending == 0 and all(s.resume_error is None for s in self.shards)
+        return self.resumable == 0 and all(s.resume_error is None for s in self.shards)
 
 
 def _read_number(path: Path, field: str) -> float | None:
@@ -179,24 +220,28 @@ def _shard_status(run_dir: Path, shard: str) -> ShardStatus:
     for _, record in failures:
         if record.get(keys.NO_PERSIST):
             omitted += 1
-        else:
+        elif record_identity(record) not in succeeded:  # as the merge keeps them (rollouts_failures.jsonl)
             by_class[str(record.get(keys.FAILURE_CLASS))] += 1
     updated_at, progress_attempts = _read_progress(paths.progress)
     planned: int | None = None
     if paths.materialized_inputs.exists():
         planned = sum(1 for _ in JsonlReader(paths.materialized_inputs))
-    plan_fields: dict[str, int | None] = dict.fromkeys(("terminal", "maxed_out", "pending", "retrying"))
+    plan_fields: dict[str, int | None] = dict.fromkeys(
+        ("terminal", "maxed_out", "pending", "retrying", "failed", "resumable")
+    )
     resume_error = None
     try:
         plan = plan_resume(run_dir, shard, max_rollout_attempts=_read_max_attempts(paths.manifest))
     except (ResumeError, InputError) as exc:
         resume_error = str(exc)
     else:
-        plan_fields = {
+        plan_fields = {  # rows as the run summary counts them (gym_ray.run.row_counts.rows_of_plan)
             "terminal": plan.terminal,
             "maxed_out": plan.maxed_out,
-            "pending": plan.pending_count,
+            "pending": plan.pending_count - plan.retrying,
             "retrying": plan.retrying,
+            "failed": plan.terminal + plan.maxed_out + plan.retrying,
+            "resumable": plan.pending_count,
         }
     return ShardStatus(
         shard=shard,
@@ -220,8 +265,8 @@ def _run_rows(run_dir: Path) -> int | None:
     return int(value) if value is not None else None
 
 
-def _aggregate_summary(run_dir: Path) -> tuple[int | None, tuple[str, ...]]:
-    path = run_dir / AGGREGATE_FILE_NAME
+def _aggregate_summary(run_dir: Path, name: str = AGGREGATE_FILE_NAME) -> tuple[int | None, tuple[str, ...]]:
+    path = run_dir / name
     try:
         raw: Any = read_metrics_summary(path)
     except InputError:
@@ -246,7 +291,8 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
         run_dir: the run folder.
 
     Returns:
-        Per-shard and total counts, what resume would run, rate and ETA, merged/aggregate presence.
+        The run's state, per-shard and total counts, what resume would run, rate and ETA (while running),
+        the merged file and the last aggregate's outcome.
 
     Raises:
         UsageError: the folder does not exist or holds no shard files.
@@ -259,6 +305,8 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
         raise UsageError(
             f"run folder {folder} holds no shard files (rollouts-<shard>.*); pass the folder a run wrote"
         )
+    holder = lock_holder(folder)  # probed before the shards are read: a run that ends meanwhile is older
+    observed = observe_state(folder, holder, holder_text=None if holder is None else describe_holder(holder))
     shards = tuple(_shard_status(folder, label) for label in labels)
     by_class: Counter[str] = Counter()
     for shard in shards:
@@ -275,15 +323,28 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
     pending = total("pending") + unplanned
     rate = eta = None
     attempts = sum(s.progress_attempts or 0 for s in shards)
-    if started_at is not None and updated_at is not None and updated_at > started_at and attempts > 0:
+    running = observed.state == "running"
+    if running and started_at is not None and updated_at is not None and updated_at > started_at and attempts:
         meter = RateMeter(window_s=updated_at - started_at, clock=time.time)
         meter.observe(0, at=started_at)
         meter.observe(attempts, at=updated_at)
         rate = meter.rate_per_s(now=updated_at)
         eta = meter.eta_s(pending, now=updated_at)
     aggregate_servers, aggregate_failed = _aggregate_summary(folder)
+    errors_path = folder / AGGREGATE_ERRORS_FILE
+    errors_failed: tuple[str, ...] = ()
+    if errors_path.exists():
+        errors_failed = _aggregate_summary(folder, AGGREGATE_ERRORS_FILE)[1]
+    killed = observed.stopped_by == "killed"
     return RunStatus(
         run_dir=str(folder),
+        state=observed.state,
+        stopped_by=observed.stopped_by,
+        state_at=updated_at if killed else observed.at,
+        state_detail=observed.detail,
+        holder=observed.holder,
+        finished_complete=observed.complete,
+        state_line=describe_state(observed, last_update=updated_at),
         shards=shards,
         planned=total("planned") + unplanned,
         unplanned=unplanned,
@@ -293,6 +354,8 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
         terminal=total("terminal"),
         maxed_out=total("maxed_out"),
         pending=pending,
+        failed=total("failed"),
+        resumable=total("resumable") + unplanned,
         retrying=total("retrying"),
         omitted=total("omitted"),
         corrupt_lines=total("corrupt_lines"),
@@ -303,6 +366,8 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
         merged=(folder / "rollouts.jsonl").exists(),
         aggregate_servers=aggregate_servers,
         aggregate_failed=aggregate_failed,
+        aggregate_errors_path=str(errors_path) if errors_path.exists() else None,
+        aggregate_errors_failed=errors_failed,
         server_outage=_outage_line(folder),
     )
 
@@ -324,10 +389,9 @@ def _outage_line(folder: Path) -> str | None:
 _COLUMNS = (
     ("planned", "planned"),
     ("succeeded", "succeeded"),
-    ("failed_attempts", "failed_attempts"),
-    ("terminal", "terminal"),
-    ("maxed_out", "maxed"),
+    ("failed", "failed"),
     ("pending", "pending"),
+    ("failed_attempts", "failed_attempts"),
     ("omitted", "omitted"),
 )
 
@@ -346,8 +410,9 @@ def _duration(seconds: float) -> str:
 def format_status(status: RunStatus) -> str:
     """A compact, deterministic text table of a ``RunStatus`` (what ``gym-ray status`` prints).
 
-    One row per shard plus a total row (``-`` where a shard could not be planned), then the failure
-    classes, what resume would run, rate/ETA and last update (UTC) when known, shards that cannot be
+    The state line first, then the counts as the run summary words them, one row per shard plus a total
+    row (``-`` where a shard could not be planned), the failure classes, the failed rows by kind, what
+    resume would run, rate/ETA (running only) and last update (UTC) when known, shards that cannot be
     resumed, and the state of the merged and metrics files. Ends without a newline.
     """
     rows: list[tuple[str, list[str]]] = []
@@ -364,20 +429,28 @@ def format_status(status: RunStatus) -> str:
         return "  ".join([name.ljust(name_width), *(c.rjust(w) for c, w in zip(cells, widths, strict=True))])
 
     out = [
-        f"run {status.run_dir}: {len(status.shards)} shard(s), "
-        + ("complete" if status.complete else f"{status.pending} rollout(s) pending"),
+        status.state_line or f"state: {status.state}",
+        f"run {status.run_dir}: {len(status.shards)} shard(s), {status.succeeded} succeeded, "
+        f"{status.failed} failed, {status.pending} pending of {status.planned} planned rollouts",
         line("shard", [header for _, header in _COLUMNS]),
         *(line(name, values) for name, values in rows),
     ]
+    if status.state != "running" and status.holder is not None:  # a `gym-ray aggregate` holds it
+        out.append(f"in use by: {status.holder}")
     if status.failed_by_class:
         out.append("failures by class: " + ", ".join(f"{k}={v}" for k, v in status.failed_by_class.items()))
+    if status.failed:
+        out.append(
+            f"failed rows: {status.terminal} terminal, {status.maxed_out} at max_rollout_attempts, "
+            f"{status.retrying} with attempts left"
+        )
     unplanned = f", {status.unplanned} not cut into shards yet" if status.unplanned else ""
     out.append(
-        f"resume would run: {status.pending} rollout(s) ({status.retrying} with earlier failed attempts"
+        f"resume would run: {status.resumable} rollout(s) ({status.retrying} with earlier failed attempts"
         f"{unplanned})"
     )
     if status.rate_per_s is not None:
-        eta = f"; ETA {_duration(status.eta_s)}" if status.eta_s else ""
+        eta = f"; ETA {_duration(status.eta_s)}" if status.eta_s is not None else ""
         out.append(f"rate: {status.rate_per_s:.2f} attempts/s{eta}")
     if status.updated_at is not None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(status.updated_at))
@@ -398,6 +471,12 @@ def format_status(status: RunStatus) -> str:
     else:
         failed = f"; failed: {', '.join(status.aggregate_failed)}" if status.aggregate_failed else ""
         out.append(f"aggregate metrics: {status.aggregate_servers} server(s){failed}")
+    if status.aggregate_errors_path is not None:
+        which = ", ".join(status.aggregate_errors_failed) or "some server"
+        kept = "the metrics above are older" if status.aggregate_servers is not None else "no metrics written"
+        out.append(
+            f"last aggregate: failed for {which} ({kept}); its entries are in {status.aggregate_errors_path}"
+        )
     return "\n".join(out)
 
 
@@ -412,142 +491,3 @@ def status_main(args: argparse.Namespace) -> int:
     else:
         print(format_status(status))
     return 0
-
-
-def _split_config_args(items: Sequence[str]) -> tuple[list[str], list[str]]:
-    paths: list[str] = []
-    overrides: list[str] = []
-    for item in items:
-        if "=" in item and not Path(item).exists():
-            overrides.append(item)
-        elif overrides:
-            raise UsageError(
-                f"config file {item!r} comes after the overrides {overrides}; list the YAML files first, "
-                "then the key=value overrides"
-            )
-        else:
-            paths.append(item)
-    if not paths:
-        raise UsageError("no config file given; pass the YAML config(s) the run used, then any overrides")
-    return paths, overrides
-
-
-#: The config a ``gym-ray run`` used, recorded in its run folder: ``{"config": [absolute paths],
-#: "overrides": [...]}`` (overrides whose key names a secret are left out). ``gym-ray aggregate RUN_DIR``
-#: reads it when no config is given.
-RUN_COMMAND_FILE = "gym_ray_run.json"
-#: Beside the metrics file: the entries of the last ``gym-ray aggregate`` that failed.
-AGGREGATE_ERRORS_FILE = "rollouts_aggregate_metrics.errors.json"
-_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential")
-
-
-def record_run_command(
-    run_dir: str | os.PathLike[str], paths: Sequence[str], overrides: Sequence[str]
-) -> None:
-    """Record the config files and overrides of a run in its folder (for ``gym-ray aggregate RUN_DIR``).
-
-    Overrides whose key looks like a secret (``api_key``, ``token``, ...) are not written.
-    """
-    from gym_ray.record.atomic import atomic_write_bytes
-
-    kept = [o for o in overrides if not any(w in o.partition("=")[0].lower() for w in _SECRET_WORDS)]
-    body = {"config": [os.path.abspath(p) for p in paths], "overrides": kept}
-    atomic_write_bytes(Path(run_dir) / RUN_COMMAND_FILE, (json.dumps(body, indent=2) + "\n").encode())
-
-
-def _recorded_config(run_dir: Path) -> tuple[list[str], list[str]]:
-    path = run_dir / RUN_COMMAND_FILE
-    try:
-        body = json.loads(path.read_text(encoding="utf-8"))
-        paths, overrides = list(body["config"]), list(body["overrides"])
-    except FileNotFoundError:
-        raise UsageError(
-            f"run folder {run_dir} does not record the config its run used ({RUN_COMMAND_FILE}); pass it: "
-            f"gym-ray aggregate {run_dir} CONFIG.yaml"
-        ) from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UsageError(
-            f"{path} cannot be read ({exc}); pass the config: gym-ray aggregate {run_dir} CONFIG.yaml"
-        ) from exc
-    return [str(p) for p in paths], [str(o) for o in overrides]
-
-
-async def _aggregate(run_dir: Path, topology: Any, output: Path) -> tuple[Path | None, list[AggregateEntry]]:
-    from gym_ray.dispatch.client import ServerClient
-    from gym_ray.record.aggregate import aggregate_run
-
-    async with ServerClient(topology) as client:
-        path = await aggregate_run(run_dir, topology, client, raise_on_error=False, output_path=output)
-    if path is None:
-        return None, []
-    raw = await asyncio.to_thread(path.read_text, encoding="utf-8")
-    return path, [AggregateEntry.model_validate(item) for item in json.loads(raw)]
-
-
-def aggregate_main(args: argparse.Namespace) -> int:
-    """``gym-ray aggregate RUN_DIR [CONFIG... key=value ...]``: merge the shards, compute the metrics.
-
-    Takes whatever ``gym-ray run`` took (a head-only config is completed from the head server); without a
-    config, the one the run recorded in its folder. Merges the shards into ``rollouts.jsonl``, calls
-    ``/aggregate_metrics`` on each environment server (running at the addresses the config names) and
-    prints the key metrics per server.
-
-    Never makes the folder worse: the new metrics are written beside the old file and replace
-    ``rollouts_aggregate_metrics.json`` only when every server answered; otherwise the previous file is
-    left byte for byte and the failed entries go to ``rollouts_aggregate_metrics.errors.json``.
-
-    Returns:
-        0 on success.
-
-    Raises:
-        UsageError: No run folder, or no config given or recorded.
-        AggregationError: One or more servers failed (the previous metrics file is unchanged).
-    """
-    from gym_ray.config.run_config import resolve_run_config
-    from gym_ray.record.merge import merge_shards
-
-    run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        raise UsageError(f"run folder {run_dir} does not exist; pass the folder a run wrote")
-    items = list(getattr(args, "config", None) or [])
-    paths, overrides = _split_config_args(items) if items else _recorded_config(run_dir)
-    run = asyncio.run(resolve_run_config(paths, overrides=overrides))
-    merged = merge_shards(run_dir)
-    print(
-        f"merged {len(merged.shards)} shard(s): {merged.successes} success(es), {merged.failures} failure "
-        f"line(s) -> {merged.successes_path.name}"
-    )
-    final = run_dir / AGGREGATE_FILE_NAME
-    fresh = run_dir / f".{AGGREGATE_FILE_NAME}.new"
-    path, entries = asyncio.run(_aggregate(run_dir, run.topology, fresh))
-    if path is None:
-        print(f"no successes in {run_dir}: nothing to aggregate, no metrics file written")
-        return 0
-    for entry in entries:
-        print(f"\nKey metrics for {entry.label} ({entry.environment_server}):")
-        if entry.aggregation_error is not None:
-            print(f"  aggregation failed: {entry.aggregation_error}")
-        else:
-            print(json.dumps(entry.key_metrics, indent=2))
-    failed = [e.environment_server for e in entries if e.aggregation_error is not None]
-    if failed:
-        errors = run_dir / AGGREGATE_ERRORS_FILE
-        os.replace(fresh, errors)
-        kept = f"the previous {final.name} is unchanged" if final.exists() else f"no {final.name} was written"
-        raise AggregationError(
-            f"/aggregate_metrics failed for {', '.join(failed)}; {kept}; the failed entries are in {errors}. "
-            f"Start the servers the config names and rerun `gym-ray aggregate {run_dir}`",
-            servers={e.environment_server: str(e.aggregation_error) for e in entries if e.aggregation_error},
-        )
-    os.replace(fresh, final)
-    _fsync_dir(run_dir)
-    print(f"\nwrote {final}")
-    return 0
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

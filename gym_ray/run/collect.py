@@ -10,6 +10,10 @@ Durability promises (see RELIABILITY.md):
 - ``run_shard`` opens the shard's writer with a new token (a zombie writer of the same shard fails on its
   next append), runs only what ``plan_resume`` says is missing, and appends each outcome as soon as it
   arrives: a rollout reported as done is on disk.
+- Before a row's ``/run`` leaves, its attempt is announced in the shard's attempt log
+  (:mod:`gym_ray.record.attempt_log`, in batches), so a later call on the shard (a resume, or a worker
+  that took it over while this call's rows were in flight) sends every rollout this call may have sent
+  with a new attempt index; a late result of this call after a takeover is refused by the writer.
 """
 
 from __future__ import annotations
@@ -38,10 +42,12 @@ from gym_ray.plan.first_pass import input_rows
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.plan.shards import DEFAULT_SHARD_SIZE, RunPlan, ShardSpec, plan_run, prepare_run
+from gym_ray.record.attempt_log import AttemptAnnouncer
 from gym_ray.record.run_lock import holding_run_folder
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error, in_stoppable_thread
 from gym_ray.run.finalize import finalize_run
+from gym_ray.run.folder_check import check_run_folder
 from gym_ray.run.preflight import planning_note, preflight
 from gym_ray.run.result import RunResult, ShardReport
 from gym_ray.run.row_counts import ShardRowTally
@@ -162,13 +168,15 @@ async def _run_shard(
             run.topology,
             semaphore=semaphore,
             max_resident_tasks=settings.max_resident_tasks,
-            dispatch_budget_s=settings.dispatch_budget_s,
+            dispatch_budget_s=run.dispatch_budget_left_s(),  # the run's deadline, not one per shard
             drain_margin_s=settings.drain_margin_s,
             route_failures_to_sidecar=settings.route_failures_to_sidecar,
             retry_requests=settings.retry_requests,
             tracer=tracer_for(run.tracing),  # None (no overhead) unless tracing.enabled
             health=health,
             max_infra_retries=settings.max_infra_retries,
+            # each row's attempt is in the shard's attempt log before its /run leaves
+            before_send=AttemptAnnouncer(pending, writer.announce_attempts),
         )
         stall_s = settings.no_progress_timeout_s
         loop = asyncio.get_running_loop()
@@ -379,6 +387,9 @@ async def acollect_local(
     Raises:
         UsageError / RecordError / ServerError: :func:`gym_ray.run.preflight.preflight` refused the run
             (nothing planned or sent).
+        ResumeError: The folder holds another run (config, input, plan settings; servers at other
+            addresses without ``use_new_config``): :func:`gym_ray.run.folder_check.check_run_folder`,
+            nothing written.
         RunLockError: Another run holds ``output_dir`` (refused before planning or sending anything).
         ServerOutageError: An environment server stayed down past ``server_outage_timeout_s`` (resumable).
         IncompleteRunError: ``require_complete`` and the run is not complete.
@@ -388,12 +399,18 @@ async def acollect_local(
         settings = {**settings, "require_complete": True}  # finalize_run raises when the run is incomplete
     with stage_cpu_scope():  # off unless GYM_RAY_STAGE_CPU_FILE is set (gym-ray bench pipeline)
         run = await resolve_run_config(config, overrides=overrides, settings=settings)
+        run = run.with_dispatch_deadline()  # dispatch_budget_s counts from here, for every shard
         await preflight(run, rows=rows)
         if run.settings.output_dir is None:
             result = await _collect_locked(run, rows, progress, progress_every_s, started)
         else:
-            with holding_run_folder(run.settings.output_dir, what="collect"):
+            # The folder against the command (input, config, servers), before it is locked or written.
+            check = await asyncio.to_thread(check_run_folder, run, rows)
+            with holding_run_folder(
+                run.settings.output_dir, what="collect", record=check.record, expect=check.expect
+            ) as folder:
                 result = await _collect_locked(run, rows, progress, progress_every_s, started)
+                folder.finish(result.complete)
     return result
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gym_ray.errors import UsageError
+from gym_ray.errors import RecordError, RunLockError, UsageError
 from gym_ray.record.aggregate import read_metrics_summary
 from gym_ray.run.result import RunResult
 
@@ -40,7 +40,8 @@ def format_result(result: RunResult) -> str:
         f"{result.pending} pending of {result.planned} planned rollouts "
         f"({result.failure_attempts} failed attempts; {result.already_done} already on disk, "
         f"{result.dispatched} dispatched)",
-        f"wall {result.wall_s:.1f} s, {result.rollouts_per_s:.0f} rollouts/s, {result.num_workers} workers",
+        f"wall {result.wall_s:.1f} s, {result.rollouts_per_s:.0f} rollouts/s, "
+        f"{_plural(result.num_workers, 'worker')}",
     ]
     p50, p99 = result.latency_ms.get("p50"), result.latency_ms.get("p99")
     if p50 is not None and p99 is not None:
@@ -49,23 +50,37 @@ def format_result(result: RunResult) -> str:
         classes = ", ".join(f"{k}={v}" for k, v in sorted(result.failed_by_class.items()))
         lines.append(f"failures by class: {classes}")
     table = _headline(result)
-    shown = list(dict.fromkeys(name for metrics in table.values() for name in metrics))
-    width = max([len("environment server"), *map(len, table)])
-    lines.append("")
-    lines.append("  ".join(["environment server".ljust(width), *(n.rjust(max(len(n), 8)) for n in shown)]))
-    for server, metrics in sorted(table.items()):
-        cells = [_cell(metrics.get(name)).rjust(max(len(name), 8)) for name in shown]
-        lines.append("  ".join([server.ljust(width), *cells]))
+    if table:
+        shown = list(dict.fromkeys(name for metrics in table.values() for name in metrics))
+        width = max([len("environment server"), *map(len, table)])
+        lines.append("")
+        lines.append(
+            "  ".join(["environment server".ljust(width), *(n.rjust(max(len(n), 8)) for n in shown)])
+        )
+        for server, metrics in sorted(table.items()):
+            cells = [_cell(metrics.get(name)).rjust(max(len(name), 8)) for name in shown]
+            lines.append("  ".join([server.ljust(width), *cells]))
     for server, error in sorted(result.aggregation_errors.items()):
         lines.append(f"{server}: aggregation failed: {error}")
     lines += [
         "",
         f"rollouts:  {result.rollouts_path}",
         f"failures:  {result.failures_path}",
-        f"metrics:   {result.metrics_path}",
+        f"metrics:   {result.metrics_path or _no_metrics(result)}",
         f"summary:   {result.summary_path}",
     ]
     return "\n".join(lines)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _no_metrics(result: RunResult) -> str:
+    """Why a run has no metrics file (``RunResult.metrics_path`` is None)."""
+    if result.succeeded == 0:
+        return "none (no rollout succeeded: nothing to aggregate)"
+    return "none (aggregation is off: disable_aggregation)"
 
 
 def _cell(value: Any) -> str:
@@ -92,7 +107,7 @@ def demo_main(args: argparse.Namespace) -> int:
             if isinstance(servers.config[name], dict) and name != "head_server":
                 print(f"  {name}: {servers.url_of(name)}")
         print(f"  head: {servers.head_url}")
-        print(f"collecting into {output_dir} with {args.workers} workers on Ray ...", flush=True)
+        print(f"collecting into {output_dir} with {_plural(args.workers, 'worker')} on Ray ...", flush=True)
         result = collect(
             servers.config,
             address=args.address,
@@ -108,7 +123,7 @@ def demo_main(args: argparse.Namespace) -> int:
     print()
     print(format_result(result))
     report = check_run(Path(result.run_dir))
-    print(f"ledger:    {report.as_dict()}")
+    print(f"ledger:    {report.describe()}")
     return 0 if report.ok else 1
 
 
@@ -120,10 +135,13 @@ def run_main(args: argparse.Namespace) -> int:
         IncompleteRunError: The run ended with failed or pending rollouts (exit 3); the summary is printed
             first and the error names the exact command that resumes it.
         KeyboardInterrupt / RunTerminated: Ctrl-C / SIGTERM; ``resume_hint`` tells whether a rerun continues.
+        RecordError / OSError: The run folder could not be written (``ShardIOError`` on a full disk names
+            the shard's file); ``resume_hint`` as for Ctrl-C.
     """
     import asyncio
     import shlex
 
+    from gym_ray.config.nemo_env import find_env_yaml
     from gym_ray.config.run_config import resolve_run_config
     from gym_ray.run._gc import collecting_rarely
     from gym_ray.run.collect import acollect_local
@@ -133,14 +151,17 @@ def run_main(args: argparse.Namespace) -> int:
 
     paths = [c for c in args.config if "=" not in c]
     overrides = [c for c in args.config if "=" in c]
+    env_yaml = find_env_yaml()  # NeMo Gym 0.7's env.yaml: over config_paths files, under the command line
     check_workers(args.workers, name="--workers")
     if args.local:
         for flag, value in (("--workers", args.workers), ("--address", args.address)):
             if value is not None:
                 raise UsageError(f"{flag} has no effect with --local (one process, no Ray); drop one of them")
     every_s = _progress_interval(args.progress)
-    settings = {"health_check": False} if args.no_health_check else {}
-    run = asyncio.run(resolve_run_config(paths, overrides=overrides, settings=settings))
+    settings: dict[str, Any] = {"health_check": False} if args.no_health_check else {}
+    if getattr(args, "use_new_config", False):
+        settings["use_new_config"] = True  # resume against servers at other addresses than recorded
+    run = asyncio.run(resolve_run_config(paths, overrides=overrides, settings=settings, env_file=env_yaml))
     run_dir = str(run.settings.output_dir)
     try:
         with collecting_rarely():  # fewer garbage collections while the run lasts (gym_ray.run._gc)
@@ -158,27 +179,25 @@ def run_main(args: argparse.Namespace) -> int:
                     progress=every_s is not None,
                     progress_every_s=every_s or 1.0,
                 )
-    except KeyboardInterrupt as exc:
+    except (KeyboardInterrupt, OSError, RecordError) as exc:
+        # Stopped, or the run folder failed (a full disk: ShardIOError names the shard's file): say whether
+        # a rerun continues. A second run refused at the folder's lock has nothing of its own to resume.
         from gym_ray.distributed.api import resume_hint
 
-        if run.settings.output_dir is not None:
-            exc.resume_hint = resume_hint(run_dir)  # type: ignore[attr-defined]
+        says_rerun = "rerun" in str(exc)  # planning's own RecordError already tells how to go on
+        if run.settings.output_dir is not None and not isinstance(exc, RunLockError) and not says_rerun:
+            exc.resume_hint = resume_hint(run_dir)  # type: ignore[union-attr]
         raise
-    finally:
-        _record_command(run_dir, paths, overrides)
     print(format_result(result))
-    if not result.complete:
+    if not result.complete and not _incomplete_allowed(run.settings):
         raise incomplete_error(result, resume_command=shlex.join(["gym-ray", *args.argv]))
     return 0
 
 
-def _record_command(run_dir: str, paths: list[str], overrides: list[str]) -> None:
-    """Record the run's config in its folder when the run got as far as planning (for ``aggregate``)."""
-    from gym_ray.plan.run_manifest import RUN_MANIFEST
-    from gym_ray.record.status import record_run_command
-
-    if (Path(run_dir) / RUN_MANIFEST).exists():
-        record_run_command(run_dir, paths, overrides)
+def _incomplete_allowed(settings: Any) -> bool:
+    """True when the config sets ``require_complete=false`` itself: NeMo Gym 0.7 then exits 0 with failed
+    or pending rollouts (the summary counts them). Unset, gym_ray's exit status 3 stands."""
+    return "require_complete" in settings.model_fields_set and not settings.require_complete
 
 
 def _progress_interval(value: str) -> float | None:

@@ -7,6 +7,7 @@ has run; :func:`incomplete_error` is the one-line error of a run that ended with
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -20,6 +21,8 @@ from gym_ray.errors import IncompleteRunError
 from gym_ray.plan.resume import plan_resume
 from gym_ray.plan.shards import RunPlan
 from gym_ray.record.aggregate import (
+    AGGREGATE_ERRORS_FILE,
+    AGGREGATE_FILE_NAME,
     aggregate_run,
     raise_for_aggregation_errors,
     raise_for_completion_rejection,
@@ -28,11 +31,14 @@ from gym_ray.record.aggregate import (
 from gym_ray.record.atomic import atomic_write_bytes
 from gym_ray.record.merge import merge_shards
 from gym_ray.record.nemo_layout import publish_nemo_gym_layout
+from gym_ray.record.quality import QUALITY_SUMMARY_FILE, ROLLOUT_VERDICTS_FILE, write_quality_reports
 from gym_ray.run.result import SUMMARY_FILE, RunResult, ShardReport, ShardRows
 from gym_ray.run.row_counts import rows_of_plan
 from gym_ray.run.stage_cpu import measuring
 
 __all__ = ["finalize_run", "incomplete_error"]
+
+logger = logging.getLogger(__name__)
 
 
 async def finalize_run(
@@ -88,6 +94,11 @@ async def finalize_run(
             if settings.disable_aggregation
             else await aggregate_run(root, run.topology, client, raise_on_error=False)
         )
+    if metrics_path is not None:  # its outcome is in the metrics file: an older failure's entries are stale
+        (root / AGGREGATE_ERRORS_FILE).unlink(missing_ok=True)
+    else:  # no metrics for this run (disable_aggregation, or no success): an earlier run's would mislead
+        for stale in (AGGREGATE_FILE_NAME, AGGREGATE_ERRORS_FILE):
+            (root / stale).unlink(missing_ok=True)
     entries = read_metrics_summary(metrics_path) if metrics_path else []
     key_metrics = {e["_ng_environment_server"]: e.get("key_metrics", {}) for e in entries}
     errors = {
@@ -111,6 +122,11 @@ async def finalize_run(
         )
         rollouts_path, failures_path = published.rollouts, published.failures
         metrics_path = published.aggregate_metrics if metrics_path is not None else None
+    if settings.runs_quality_pass:
+        await asyncio.to_thread(_quality_pass, rollouts_path, settings)
+    elif settings.output_jsonl_fpath is not None:  # reports beside P describe an earlier state of it
+        for stale in (QUALITY_SUMMARY_FILE, ROLLOUT_VERDICTS_FILE):
+            (rollouts_path.parent / stale).unlink(missing_ok=True)
     result = RunResult(
         run_dir=str(root),
         run_id=plan.run_id,
@@ -148,6 +164,18 @@ async def finalize_run(
         # of collect / acollect / acollect_local sets the same setting).
         raise incomplete_error(result)
     return result
+
+
+def _quality_pass(rollouts_path: Path, settings: RunSettings) -> None:
+    """NeMo Gym 0.7's rollout-quality reports beside the rollouts; as in 0.7, a failure of the pass is
+    logged and the run goes on (its rollouts are written)."""
+    try:
+        reports = write_quality_reports(rollouts_path, ignored_checks=settings.health_check_ignored_checks)
+    except OSError as exc:
+        logger.warning("rollout quality reports not written beside %s: %s", rollouts_path, exc)
+        return
+    if reports.skipped_because is not None:
+        logger.warning("rollout quality reports not written: %s", reports.skipped_because)
 
 
 def incomplete_error(result: RunResult, *, resume_command: str | None = None) -> IncompleteRunError:

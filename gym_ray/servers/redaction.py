@@ -9,13 +9,11 @@ shell-style) are replaced by :data:`REDACTED` unless the request presents the he
 
 from __future__ import annotations
 
-import fnmatch
 import hmac
 import ipaddress
-from collections.abc import Iterable, Mapping
-from typing import Any
 
 from gym_ray import keys
+from gym_ray._redact import DEFAULT_SECRET_PATTERNS, is_secret_key, redact
 
 __all__ = [
     "DEFAULT_SECRET_PATTERNS",
@@ -27,48 +25,10 @@ __all__ = [
     "redact",
 ]
 
-#: Key patterns whose values are secret (``fnmatch``, case-insensitive): API keys, tokens, passwords,
-#: secrets, ``Authorization`` headers, credentials, private keys and access keys.
-DEFAULT_SECRET_PATTERNS: tuple[str, ...] = (
-    "*api_key*",
-    "*apikey*",
-    "*token*",
-    "*password*",
-    "*secret*",
-    "*authorization*",
-    "*credential*",
-    "*private_key*",
-    "*privatekey*",
-    "*access_key*",
-    "*accesskey*",
-)
 #: What a secret value is replaced with (the protocol's marker, :data:`gym_ray.keys.REDACTED`).
 REDACTED = keys.REDACTED
 #: Environment variable ``gym-ray serve`` reads the head server's token from.
 TOKEN_ENV = "GYM_RAY_HEAD_TOKEN"
-
-
-def is_secret_key(key: object, patterns: Iterable[str] = DEFAULT_SECRET_PATTERNS) -> bool:
-    """True when the key's text matches one of ``patterns`` (case-insensitive)."""
-    text = str(key).lower()
-    return any(fnmatch.fnmatchcase(text, pattern.lower()) for pattern in patterns)
-
-
-def redact(value: Any, patterns: Iterable[str] = DEFAULT_SECRET_PATTERNS) -> Any:
-    """A copy of ``value`` with the value of every secret-looking key replaced by :data:`REDACTED`.
-
-    A secret key's whole value is replaced, nested mappings and lists included; ``None`` stays ``None``
-    (there is nothing to hide, and it shows the key is unset).
-    """
-    patterns = tuple(patterns)
-    if isinstance(value, Mapping):
-        return {
-            k: (REDACTED if v is not None and is_secret_key(k, patterns) else redact(v, patterns))
-            for k, v in value.items()
-        }
-    if isinstance(value, list | tuple):
-        return [redact(v, patterns) for v in value]
-    return value
 
 
 def is_loopback(host: str) -> bool:

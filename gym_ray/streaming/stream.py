@@ -287,9 +287,10 @@ class RolloutStream(StreamControls):
     # --- start and stop --------------------------------------------------------------------------
 
     async def _start(self) -> None:
-        import ray
-
         from gym_ray.config.run_config import resolve_run_config
+        from gym_ray.distributed.placement import import_ray, start_quiet_ray
+
+        ray = import_ray()
 
         if self._record_dir is not None:  # one run per folder: refused before anything starts
             self._lock = RunLock(self._record_dir, what="stream").acquire()
@@ -300,10 +301,8 @@ class RolloutStream(StreamControls):
             await check_servers(run.topology)
         self._topology = run.topology
         self._settings = run.settings  # strict_json, server_outage_timeout_s, max_infra_retries
-        if not ray.is_initialized():
-            from gym_ray.distributed.placement import start_ray
-
-            await asyncio.to_thread(start_ray, self._address)
+        if not ray.is_initialized():  # quiet, as `gym-ray run` starts it
+            await start_quiet_ray(self._address)
             self._owns_ray = True
         done: set[tuple[int, int]] = set()
         if self._resume and self._record_dir is not None:

@@ -45,7 +45,7 @@ async def test_garbage_lines_mid_shard_are_quarantined_and_their_rollouts_run_ag
         before = check_run(out)
         assert before.corrupt_lines == 2
         text = format_status(run_status(out))
-        assert "1 rollout(s) pending" in text
+        assert "0 failed, 1 pending of 60 planned rollouts" in text
         assert (
             "corrupt lines: 2 (not counted above; a resume moves them to <shard file>.quarantine and runs "
             "again the rollouts they held)"

@@ -133,8 +133,18 @@ async def test_a_server_down_past_the_timeout_stops_the_run_resumable(tmp_path: 
         recorded_before = 200 - partial.missing
         assert 0 < recorded_before < 200
         assert not (out / "rollouts.jsonl").exists()  # the run never finalized
-        text = format_status(run_status(out))
-        assert f"{200 - recorded_before} rollout(s) pending" in text
+        status = run_status(out)
+        text = format_status(status)
+        assert f"0 failed, {200 - recorded_before} pending of 200 planned rollouts" in text
+        # R22: the state file says the run stopped, and why, and the lock is free
+        assert (status.state, status.stopped_by, status.holder) == ("stopped", "server-outage", None)
+        assert re.fullmatch(
+            rf"state: stopped by a server outage at [0-9: -]+ UTC \(collect pid {os.getpid()} on host .+, "
+            r"started [0-9: -]+ UTC\): environment server 'calc_env' \(http://127\.0\.0\.1:\d+\) was down "
+            r"for \d+ s",
+            text.splitlines()[0],
+        )
+        assert (status.rate_per_s, status.eta_s) == (None, None)
         assert re.search(
             r"\nstopped at [0-9: -]+ UTC: environment server 'calc_env' \(http://127\.0\.0\.1:\d+\) was "
             r"down for [0-9.]+ s \(server_outage_timeout_s\); bring it back, then rerun on this folder to "
@@ -158,7 +168,9 @@ async def test_a_server_down_past_the_timeout_stops_the_run_resumable(tmp_path: 
         assert (report.lost, report.missing, report.duplicates, report.corrupt_lines) == (0, 0, 0, 0)
         rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
         assert len(rollouts) == 200
-        assert "stopped at" not in format_status(run_status(out))
+        final = run_status(out)
+        assert "stopped at" not in format_status(final)
+        assert (final.state, final.finished_complete, final.pending) == ("finished", True, 0)
 
 
 @pytest.mark.ray

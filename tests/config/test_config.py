@@ -382,10 +382,13 @@ def test_run_settings_defaults() -> None:
         "resume_from_cache": None,
         "retain_results_in_memory": True,
         "upload_rollouts": True,
-        "disable_health_check": True,
+        "disable_health_check": None,
+        "health_check_workers": None,
+        "health_check_ignored_checks": (),
         "health_check": True,
         "max_failed_fraction": 0.0,
         "strict_json": True,
+        "use_new_config": False,
     }
 
 

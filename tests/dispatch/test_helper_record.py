@@ -173,7 +173,13 @@ async def test_run_outcomes_routes_a_failure_to_the_sidecar(deployment: Deployme
     assert (plan.succeeded, plan.pending_count, plan.retrying, plan.attempts) == (2, 1, 1, {(1, 0): 1})
     assert [r[keys.ROLLOUT_ID] for r in plan.iter_pending()] == ["r7-1-0"]
     (status,) = run_status(tmp_path).shards
-    assert (status.succeeded, status.failed_by_class, status.pending) == (2, {"agent_run_error": 1}, 1)
+    assert (status.succeeded, status.failed_by_class, status.failed, status.pending, status.resumable) == (
+        2,
+        {"agent_run_error": 1},
+        1,
+        0,
+        1,
+    )
 
 
 async def test_unrouted_failure_is_kept_in_the_sidecar_then_raised(

@@ -60,16 +60,18 @@ async def fake_shard(
     fail_on: str | None = None,
     die_on: str | None = None,
     pause_s: float = 0.0,
+    fail_after: int = 0,
 ) -> ShardReport:
-    """Emits ``num_rows`` outcomes through ``on_outcome``; raises on / dies once in the named shard."""
+    """Emits ``num_rows`` outcomes through ``on_outcome``; raises (after ``fail_after`` outcomes) on / dies
+    once in the named shard."""
     marker = Path(spec.run_dir) / f"died-{spec.shard}"
     if spec.shard == die_on and not marker.exists():
         marker.write_text(str(os.getpid()))
         os._exit(1)
-    if spec.shard == fail_on:
-        raise ShardIOError(f"shard {spec.shard}: fsync failed (disk full); free space and resume")
     failed = 0
     for index in range(spec.num_rows):
+        if spec.shard == fail_on and index == fail_after:
+            raise ShardIOError(f"shard {spec.shard}: fsync failed (disk full); free space and resume")
         await asyncio.sleep(pause_s)
         record = _record(index)
         failed += keys.FAILURE_CLASS in record
@@ -208,3 +210,34 @@ async def test_progress_is_absolute_and_exact_at_the_end_across_a_worker_replace
     assert len(snapshots) >= 2
     assert all(s.total == 40 and 0 <= s.failed <= s.done <= 40 for s in snapshots)
     assert any(0 < s.done < 40 for s in snapshots[:-1])
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+async def test_the_last_snapshot_of_a_failed_run_counts_what_the_failed_shard_wrote(
+    ray_session: Any, tmp_path: Path
+) -> None:
+    """Issue 30: a run stopped by a server outage ended its progress with "0/2400 (0.0%)" after 80 rows were
+    written: a failed shard is never reported, and its worker's tally was dropped. Shard 00000 finishes
+    (4 rows), shard 00001 writes 3 rows and fails, which ends the hand-out (00002 never runs)."""
+    snapshots: list[ProgressSnapshot] = []
+    with pytest.raises(ShardIOError, match="shard 00001: fsync failed"):
+        await run_actors(
+            RUN,
+            functools.partial(fake_plan, str(tmp_path), 3),
+            run_dir=str(tmp_path),
+            num_workers=1,
+            shards_in_flight=1,
+            shard_fn=functools.partial(fake_shard, fail_on="00001", fail_after=3),
+            finalize_fn=fake_finalize,
+            on_progress=snapshots.append,
+            progress_interval_s=60.0,
+        )
+    # 00000: rows 0, 2 on env_a (1.0 each), row 1 on env_b (0.5), row 3 failed; 00001: rows 0, 1, 2
+    assert snapshots[-1] == ProgressSnapshot(
+        total=12,
+        done=7,
+        failed=1,
+        by_server={"env_a": (4, 4.0), "env_b": (2, 1.0)},
+        failed_by_class={"agent_run_error": 1},
+    )

@@ -89,14 +89,29 @@ def test_lines_are_rate_limited_and_close_writes_the_final_line() -> None:
     display.update(done=2, failed=1, by_server={})  # within the interval: no line
     clock.now += 0.5
     display.update(done=3, failed=1, by_server={})  # interval passed
+    clock.now += 0.25
+    display.update(done=4, failed=1, by_server={})  # within the interval: no line, close shows it
     display.close()
     display.close()  # idempotent
-    display.update(done=4, failed=1, by_server={})  # after close: nothing
+    display.update(done=4, failed=2, by_server={})  # after close: nothing
     assert stream.getvalue() == (
         "1/4 (25.0%) 1.0/s failed 0 ETA 3s\n"
         "3/4 (75.0%) 1.5/s failed 1 ETA 1s\n"
-        "3/4 (75.0%) 1.5/s failed 1 ETA 1s\n"
+        "4/4 (100.0%) 1.8/s failed 1 ETA 0s\n"  # 4 in 2.25 s
     )
+
+
+def test_close_never_repeats_the_last_line() -> None:
+    """Issue 30: a short run printed its final line twice; close() writes nothing new when the last line
+    already shows the final counts (a later clock changes only the rate)."""
+    clock = FakeClock()
+    stream = io.StringIO()
+    display = ProgressDisplay(4, stream=stream, clock=clock, interval_s=0.0, enabled=True)
+    clock.now += 2.0
+    display.update(done=4, failed=1, by_server={"a": (3, 3.0)})
+    clock.now += 5.0
+    display.close()
+    assert stream.getvalue() == "4/4 (100.0%) 2.0/s failed 1 ETA 0s | a 1.00\n"
 
 
 def test_tty_rewrites_in_place() -> None:
@@ -112,7 +127,7 @@ def test_tty_rewrites_in_place() -> None:
     assert stream.getvalue() == (
         "\r10/20 (50.0%) 10.0/s failed 0 ETA 1s"
         "\r2/20 (10.0%) 1.0/s failed 0 ETA 18s "  # padded over the longer line
-        "\r2/20 (10.0%) 1.0/s failed 0 ETA 18s\n"
+        "\n"  # close: the line already shows the final counts, so it is only ended
     )
 
 

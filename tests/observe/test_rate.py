@@ -100,9 +100,27 @@ def test_distributed_view_gives_the_true_rate_and_eta() -> None:
     assert stream.getvalue().splitlines() == [
         "67/400 (16.8%) --/s failed 0 ETA --",
         "96/400 (24.0%) 29.0/s failed 1 ETA 10s",  # 304 left / 29 per s = 10.5 s -> 10s
-        "125/400 (31.2%) 29.0/s failed 1 ETA 9s",  # 275 / 29 = 9.48 s
-        "125/400 (31.2%) 29.0/s failed 1 ETA 9s",  # the final line of close()
+        "125/400 (31.2%) 29.0/s failed 1 ETA 9s",  # 275 / 29 = 9.48 s; close() does not repeat it
     ]
+
+
+class TickingClock(FakeClock):
+    """A clock that moves 1 ms at every reading, as a real one does between two calls."""
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+def test_a_run_shorter_than_a_poll_prints_one_final_line_without_a_made_up_rate() -> None:
+    """Issue 30: the first snapshot with a total is the final one (a 30-row run done before the first
+    poll): one line, the rate unknown ("--/s"), never the same line twice with "0.0/s"."""
+    clock = TickingClock()
+    stream = io.StringIO()
+    view = ProgressView(stream=stream, clock=clock, interval_s=1.0, enabled=True)
+    view(ProgressSnapshot(total=30, done=30, failed=0, by_server={"arith_env": (30, 21.0)}))
+    view.close()
+    assert stream.getvalue() == "30/30 (100.0%) --/s failed 0 ETA 0s | arith_env 0.70\n"
 
 
 def test_distributed_view_leaves_rows_of_an_earlier_run_out_of_the_rate() -> None:

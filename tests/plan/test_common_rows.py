@@ -129,18 +129,19 @@ def test_with_a_limit_both_paths_plan_the_first_rows_alike(
     [
         pytest.param(
             json.dumps(_row("q", _ng_task_index=-1)),
-            "_ng_task_index must be an integer >= 0 [row 3 (task -1)]",
+            "rows.jsonl, line 4: the row's _ng_task_index must be an integer >= 0",
             id="task",
         ),
         pytest.param(
             json.dumps({"responses_create_params": {}, "_ng_environment_server": "nope"}),
-            "environment server 'nope' is not in the running config",
+            "rows.jsonl, line 4: the row cannot be routed: environment server 'nope' is not in the running "
+            "config",
             id="stamp",
         ),
         pytest.param(
             json.dumps(_row("q", agent="arith_agnet")),
-            "'arith_agnet' is not in the running config (did you mean 'arith_agent'?) "
-            "[row 3 (task 2, rollout 0)]",
+            "rows.jsonl, line 4: unknown agent: 'arith_agnet' is not in the running config (did you mean "
+            "'arith_agent'?); ",
             id="agent",
         ),
     ],

@@ -114,8 +114,11 @@ def test_a_bad_row_is_refused_ahead_with_the_planners_message_and_nothing_left(t
     with pytest.raises(ValidationError) as ahead:
         validate_ahead(run)
     assert str(ahead.value) == str(planned.value)
-    assert "'arith_agnet' is not in the running config (did you mean 'arith_agent'?) [row 3 (task 3, " in str(
-        ahead.value
+    # one line, the row named by its line in the file (issue 30)
+    assert str(ahead.value) == (
+        f"{input_path}, line 4: unknown agent: 'arith_agnet' is not in the running config (did you mean "
+        "'arith_agent'?); the config's agents: arith_agent, arith_agent_hard; include the agent's config in "
+        "the run or re-route the rows with agent_map"
     )
     assert _owned_folders() == before
     assert not (tmp_path / "ahead").exists()

@@ -104,13 +104,13 @@ def test_ranges_in_processes_plan_what_one_process_plans_byte_for_byte(
         pytest.param("", "line 56: blank line", id="blank"),
         pytest.param(
             json.dumps(_row("q", agent="arith_agnet")),
-            "'arith_agnet' is not in the running config (did you mean 'arith_agent'?) [row 55 (task 20, "
-            "rollout 0)]",
+            "line 56: unknown agent: 'arith_agnet' is not in the running config (did you mean "
+            "'arith_agent'?); ",
             id="agent",
         ),
         pytest.param(
             json.dumps(_row("q", _ng_task_index=-1)),
-            "_ng_task_index must be an integer >= 0 [row 55 (task -1)]",
+            "line 56: the row's _ng_task_index must be an integer >= 0",
             id="task-index",
         ),
     ],
@@ -195,8 +195,9 @@ def test_a_bad_row_in_the_first_range_stops_the_pass_and_its_child(
     _write(input_path, [*lines[:2], json.dumps(_row("q", agent="arith_agnet")), *lines[2:]])
     with pytest.raises(GymRayError) as caught:
         prepare_run(_config(tmp_path, "one", input_path))
-    assert "'arith_agnet' is not in the running config (did you mean 'arith_agent'?) [row 2 (task 2, " in str(
-        caught.value
+    assert (
+        "line 3: unknown agent: 'arith_agnet' is not in the running config (did you mean 'arith_agent'?); "
+        in (str(caught.value))
     )
     monkeypatch.setattr(_parallel_pass, "PROCESSES", 2)
     run = _config(tmp_path, "ranges", input_path)

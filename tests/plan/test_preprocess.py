@@ -230,13 +230,17 @@ def test_agent_map_by_agent_by_task_source_and_default() -> None:
     ]
 
 
-def test_agent_map_agent_key_beats_task_source_key_and_same_name_keeps_ref() -> None:
+def test_agent_map_agent_key_beats_task_source_key_and_rewrites_a_same_name_ref_as_0_7() -> None:
+    # 0.7 writes {"name": mapped} for every mapped row, also one that named the agent with more fields;
+    # a row no entry maps keeps its agent_ref as it is.
     rows = [
         flat("q1", agent_ref=ref("a"), task_source="ts"),
         flat("q2", agent_ref={"name": "b", "type": "responses_api_agents"}),
+        flat("q3", agent_ref={"name": "c", "type": "responses_api_agents"}),
     ]
     out = preprocess_examples(rows, agent_map={"a": "a", "ts": "x", "b": "b"})
-    assert [r["agent_ref"] for r in out] == [ref("a"), {"name": "b", "type": "responses_api_agents"}]
+    typed = {"name": "c", "type": "responses_api_agents"}
+    assert [r["agent_ref"] for r in out] == [ref("a"), ref("b"), typed]
 
 
 def test_agent_map_without_default_leaves_unmatched_rows() -> None:

@@ -137,13 +137,13 @@ def test_planning_numbers_duplicate_rows_like_preprocessing(tmp_path: Path) -> N
     assert [p.name for p in Path(cfg["output_dir"]).iterdir() if p.name.startswith("gym_ray-dedupe")] == []
 
 
-def test_a_validation_error_names_rows_by_their_real_task_index(tmp_path: Path) -> None:
-    # Row 3 repeats row 0, so the bad row 4 is task 3 (the first pass's stand-in would say 4).
+def test_a_validation_error_names_the_bad_row_by_its_line_in_the_file(tmp_path: Path) -> None:
+    # Row 3 repeats row 0, so the bad row 4 is task 3; the file numbers it line 5, and so does the error.
     cfg = {
         **CONFIG,
         "input_jsonl_fpath": str(_input(tmp_path / "in.jsonl", ["a", "b", "c", "a", "d"], bad_at=4)),
         "output_dir": str(tmp_path / "run"),
     }
-    with pytest.raises(ValidationError, match=r"row 4 \(task 3, rollout 0\)"):
+    with pytest.raises(ValidationError, match=r"in\.jsonl, line 5: unknown agent: 'no_such_agent' "):
         next(iter_prepare_run(RunConfig.from_dict(cfg)))
     assert not (tmp_path / "run").exists()

@@ -1,8 +1,9 @@
-"""The per-task metrics elements are written as ``json.dumps(indent=2)`` writes them, whichever encoder runs.
+"""The metrics file's values are written as NeMo Gym 0.7 writes them: ``orjson.dumps(v, OPT_INDENT_2)``.
 
-``_aggregate_fragments.indented`` uses orjson where its text provably equals the ``json`` module's and falls
-back to ``json`` otherwise; the oracle here is the ``json`` module itself, over values chosen where the
-two encoders differ (exponents, 17+ digit numbers, integers beyond 64 bits, NaN) and where they agree.
+``_aggregate_fragments.indented`` is orjson's text, and ``json``'s (indent 2) only where orjson cannot
+encode (an integer beyond 64 bits, on which 0.7's writer fails); the oracle here is orjson itself, over
+values chosen where the ``json`` module writes otherwise (exponents, 17+ digit numbers) and where the two
+agree, and NaN and infinity are refused (orjson would write them as null).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from gym_ray.record._aggregate_fragments import indented as _indented
@@ -51,16 +53,19 @@ _AWKWARD: list[Any] = [
 
 
 def _oracle(element: dict[str, Any]) -> bytes:
-    return json.dumps(element, indent=2, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    try:
+        return orjson.dumps(element, option=orjson.OPT_INDENT_2)  # 0.7's metrics file writer
+    except orjson.JSONEncodeError:  # beyond 64 bits: 0.7 fails; gym_ray writes json's text
+        return json.dumps(element, indent=2, ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
 @pytest.mark.parametrize("value", _AWKWARD, ids=repr)
-def test_element_bytes_equal_the_json_module(value: Any) -> None:
+def test_element_bytes_equal_0_7s_encoder(value: Any) -> None:
     element = {"task_index": 3, "value": value, "mean/reward": 0.5}
     assert _indented(element) == _oracle(element)
 
 
-def test_random_floats_of_every_magnitude_equal_the_json_module() -> None:
+def test_random_floats_of_every_magnitude_equal_0_7s_encoder() -> None:
     rng = random.Random(17)
     checked = 0
     while checked < 20_000:
@@ -86,7 +91,7 @@ def test_random_floats_of_every_magnitude_equal_the_json_module() -> None:
     ids=repr,
 )
 def test_values_json_refuses_are_refused(value: Any, message: str) -> None:
-    # orjson would write NaN/infinity as null; the metrics file must refuse them, as json does.
+    # orjson would write NaN/infinity as null; the metrics file refuses them, as json's allow_nan=False does.
     with pytest.raises(ValueError, match=message):
         _indented({"v": value})
 

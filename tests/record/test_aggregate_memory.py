@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from aiohttp import web
 
@@ -249,10 +250,10 @@ def test_spool_body_is_sorted_and_byte_identical_to_the_compact_encoding(
         pytest.param([{"big": ["x" * 1000 + str(i) for i in range(3000)]}], id="several-chunks"),
     ],
 )
-def test_the_metrics_writer_is_byte_identical_to_json_dumps(tmp_path: Path, value: Any) -> None:
+def test_the_metrics_writer_is_byte_identical_to_0_7s(tmp_path: Path, value: Any) -> None:
     path = tmp_path / "sub" / "m.json"
     write_metrics_atomic(path, value, threading.Event())
-    expected = (json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+    expected = orjson.dumps(value, option=orjson.OPT_INDENT_2)  # NeMo Gym 0.7's writer: no newline at the end
     assert path.read_bytes() == expected
     assert os.listdir(path.parent) == ["m.json"]
 
@@ -303,7 +304,7 @@ def _reply_parts(tmp_path: Path, reply_text: str) -> tuple[ServerSpools, ReplyPa
         ),
     ],
 )
-def test_streamed_reply_writes_the_bytes_of_json_dumps(tmp_path: Path, reply: dict[str, Any]) -> None:
+def test_streamed_reply_writes_0_7s_bytes(tmp_path: Path, reply: dict[str, Any]) -> None:
     spools, parts = _reply_parts(tmp_path, json.dumps(reply, indent=1))
     assert {k: f.count for k, f in parts.fragments.items()} == {
         k: len(v) for k, v in reply.items() if isinstance(v, list)
@@ -313,8 +314,8 @@ def test_streamed_reply_writes_the_bytes_of_json_dumps(tmp_path: Path, reply: di
     write_metrics_atomic(tmp_path / "m.json", [entry, error_entry], threading.Event())
     assert "extra" not in entry  # not kept
     expected_entry = {k: reply[k] if k != "agent_ref" else {"name": "ag"} for k in entry}
-    expected = json.dumps([expected_entry, error_entry], indent=2, ensure_ascii=False)
-    assert (tmp_path / "m.json").read_bytes() == (expected + "\n").encode()
+    expected = orjson.dumps([expected_entry, error_entry], option=orjson.OPT_INDENT_2)
+    assert (tmp_path / "m.json").read_bytes() == expected
     assert not spools.reply_path("env").exists()  # read once, then deleted
     spools.remove()
 
@@ -429,7 +430,7 @@ def _expected_file(n: int, label: str) -> bytes:
     entry = {"agent_ref": {"name": label}, "_ng_environment_server": "env_stream"}
     entry |= {k: reply[k] for k in ("agent_metrics", "key_metrics", "group_level_metrics")}
     entry |= {k: reply[k] for k in ("repeat_level_metrics", "perf_summary") if reply.get(k) is not None}
-    return (json.dumps([entry], indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode()
+    return json.dumps([entry], indent=2, ensure_ascii=False, allow_nan=False).encode()
 
 
 @pytest.fixture(scope="module")

@@ -384,8 +384,8 @@ def test_the_metrics_file_of_empty_entries_in_a_new_nested_folder(tmp_path: Path
     path = tmp_path / "a" / "b" / "m.json"
     entries: list[dict[str, Any]] = [{}, {"x": []}, {}]
     write_metrics_atomic(path, entries, threading.Event())
-    assert path.read_text() == json.dumps(entries, indent=2, ensure_ascii=False) + "\n"
-    assert path.read_text() == '[\n  {},\n  {\n    "x": []\n  },\n  {}\n]\n'
+    assert path.read_text() == json.dumps(entries, indent=2, ensure_ascii=False)
+    assert path.read_text() == '[\n  {},\n  {\n    "x": []\n  },\n  {}\n]'
 
 
 class _CountingStop(threading.Event):
@@ -406,7 +406,7 @@ def test_the_metrics_file_is_written_in_chunks_of_about_a_mebibyte(tmp_path: Pat
     entries = [{f"k{i}": "x" * 300_000 for i in range(9)}]
     stop = _CountingStop()
     write_metrics_atomic(path, entries, stop)
-    assert path.read_text() == json.dumps(entries, indent=2) + "\n"
+    assert path.read_text() == json.dumps(entries, indent=2)
     assert stop.looks == 3  # after members 4 and 8, and the last flush
 
 
@@ -421,7 +421,7 @@ def test_a_fragment_is_copied_in_chunks_of_a_mebibyte(tmp_path: Path) -> None:
     path = tmp_path / "m.json"
     stop = _CountingStop()
     write_metrics_atomic(path, [{"group_level_metrics": Fragment(fragment, len(elements)), "n": 1}], stop)
-    assert path.read_text() == json.dumps([{"group_level_metrics": elements, "n": 1}], indent=2) + "\n"
+    assert path.read_text() == json.dumps([{"group_level_metrics": elements, "n": 1}], indent=2)
     assert stop.looks == 1 + chunks + 1  # the flush before the copy, each chunk, the last flush
 
 

@@ -214,3 +214,18 @@ def test_a_stream_record_dir_is_judged_by_what_it_recorded(tmp_path: Path) -> No
     )
     assert report.duplicate_ids == ((1, 0),)
     assert report.ok is False  # the duplicate still counts
+
+
+def test_the_report_reads_as_one_line_and_names_wasted_requests_only_when_measured(tmp_path: Path) -> None:
+    """Issue 30: the demo printed the ledger as a raw dict, with "wasted_requests None"."""
+    crafted_run(tmp_path)
+    measured = check_run(tmp_path, acknowledged=ACKNOWLEDGED, request_counts=REQUESTS)
+    assert measured.describe() == (
+        "NOT ok: lost 1, missing 3, duplicates 1, unexpected 1, corrupt lines 1, unidentified lines 0, "
+        "unplanned 0; planned 7, recorded 6, settled 5, wasted requests 4"
+    )
+    unmeasured = check_run(tmp_path, acknowledged=ACKNOWLEDGED)
+    assert str(unmeasured) == (
+        f"ledger of {tmp_path} (shards): NOT ok: lost 1, missing 3, duplicates 1, unexpected 1, "
+        "corrupt lines 1, unidentified lines 0, unplanned 0; planned 7, recorded 6, settled 5"
+    )

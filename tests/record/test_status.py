@@ -4,6 +4,8 @@ commands."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import yaml
 from gym_ray import cli
 from gym_ray.errors import UsageError
 from gym_ray.record.manifest import build_manifest
+from gym_ray.record.run_lock import RunLock
 from gym_ray.record.status import format_status, run_status
 from gym_ray.servers import start_in_thread
 
@@ -125,7 +128,7 @@ def test_run_status_counts_a_partial_run(tmp_path: Path) -> None:
         "failed_by_class": {"agent_request_failed": 1, "agent_run_error": 3},
         "terminal": 0,
         "maxed_out": 1,
-        "pending": 1,
+        "pending": 0,
         "retrying": 1,
         "omitted": 0,
         "corrupt_lines": 0,
@@ -133,9 +136,12 @@ def test_run_status_counts_a_partial_run(tmp_path: Path) -> None:
         "updated_at": 1020.0,
         "progress_attempts": 6,
         "resume_error": None,
+        "failed": 2,
+        "resumable": 1,
     }
-    assert (s1.planned, s1.succeeded, s1.failed_attempts, s1.terminal, s1.pending, s1.omitted) == (
+    assert (s1.planned, s1.succeeded, s1.failed_attempts, s1.terminal, s1.failed, s1.pending, s1.omitted) == (
         3,
+        1,
         1,
         1,
         1,
@@ -146,28 +152,31 @@ def test_run_status_counts_a_partial_run(tmp_path: Path) -> None:
     assert (s2.planned, s2.succeeded, s2.pending, s2.terminal) == (None, 1, None, None)
     assert s2.resume_error is not None
     assert s2.resume_error.startswith("shard 's2' has recorded outputs but its materialized inputs")
-    assert (status.planned, status.succeeded, status.failed_attempts, status.pending) == (7, 4, 5, 2)
+    # rows as the run summary counts them: succeeded + failed + pending = planned (s2's row unplannable)
+    assert (status.planned, status.succeeded, status.failed, status.pending) == (7, 4, 3, 1)
+    assert (status.failed_attempts, status.resumable) == (5, 2)
     assert (status.terminal, status.maxed_out, status.retrying, status.omitted) == (1, 1, 1, 1)
     assert status.started_at == 1000.0
     assert status.updated_at == 1030.0
-    # 8 attempts counted by the progress files (s0: 2 successes + 4 failures, s1: 1 + 1; the omitted
-    # row and the torn tail are not attempts) between the first manifest (1000) and the last update (1030)
-    assert status.rate_per_s == pytest.approx(8 / 30)
-    assert status.eta_s == pytest.approx(2 / (8 / 30))
+    # no state file and no lock: the state is unknown, so no rate and no ETA
+    assert (status.state, status.stopped_by, status.holder) == ("unknown", None, None)
+    assert (status.rate_per_s, status.eta_s) == (None, None)
     assert status.complete is False
     assert (status.merged, status.aggregate_servers, status.aggregate_failed) == (False, None, ())
 
     assert format_status(status) == "\n".join(
         [
-            f"run {run_dir}: 3 shard(s), 2 rollout(s) pending",
-            "shard  planned  succeeded  failed_attempts  terminal  maxed  pending  omitted",
-            "s0           4          2                4         0      1        1        0",
-            "s1           3          1                1         1      0        1        1",
-            "s2           -          1                0         -      -        -        0",
-            "total        7          4                5         1      1        2        1",
+            "state: unknown (no run_state.json: the folder was written by an older gym_ray, a stream's "
+            "record_dir or the helper's recording)",
+            f"run {run_dir}: 3 shard(s), 4 succeeded, 3 failed, 1 pending of 7 planned rollouts",
+            "shard  planned  succeeded  failed  pending  failed_attempts  omitted",
+            "s0           4          2       2        0                4        0",
+            "s1           3          1       1        1                1        1",
+            "s2           -          1       -        -                0        0",
+            "total        7          4       3        1                5        1",
             "failures by class: agent_request_failed=1, agent_run_error=3, timeout_exceeded=1",
+            "failed rows: 1 terminal, 1 at max_rollout_attempts, 1 with attempts left",
             "resume would run: 2 rollout(s) (1 with earlier failed attempts)",
-            "rate: 0.27 attempts/s; ETA 8s",
             "last update: 1970-01-01 00:17:10 UTC",
             "corrupt lines: 1 (not counted above; a resume moves them to <shard file>.quarantine and runs "
             "again the rollouts they held)",
@@ -176,6 +185,21 @@ def test_run_status_counts_a_partial_run(tmp_path: Path) -> None:
             "aggregate metrics: not written",
         ]
     )
+
+    # While a process holds the folder's run lock, the run is running: rate and ETA are given. 8 attempts
+    # counted by the progress files (s0: 2 successes + 4 failures, s1: 1 + 1; the omitted row and the
+    # torn tail are not attempts) between the first manifest (1000) and the last update (1030); the ETA
+    # is the 1 pending row (a retry waits for a resume) at that rate.
+    with RunLock(run_dir, what="collect"):
+        live = run_status(run_dir)
+    assert (live.state, live.stopped_by) == ("running", None)
+    assert live.holder is not None
+    assert live.holder.startswith(f"collect pid {os.getpid()} on host {socket.gethostname()}, started 20")
+    assert live.rate_per_s == pytest.approx(8 / 30)
+    assert live.eta_s == pytest.approx(1 / (8 / 30))
+    text = format_status(live).splitlines()
+    assert text[0] == f"state: running ({live.holder})"
+    assert "rate: 0.27 attempts/s; ETA 4s" in text
 
 
 def test_status_of_a_complete_aggregated_run(tmp_path: Path) -> None:
@@ -195,10 +219,12 @@ def test_status_of_a_complete_aggregated_run(tmp_path: Path) -> None:
     assert (status.rate_per_s, status.eta_s, status.updated_at) == (None, None, None)
     assert format_status(status) == "\n".join(
         [
-            f"run {run_dir}: 1 shard(s), complete",
-            "shard       planned  succeeded  failed_attempts  terminal  maxed  pending  omitted",
-            "shard-0000        2          2                0         0      0        0        0",
-            "total             2          2                0         0      0        0        0",
+            "state: unknown (no run_state.json: the folder was written by an older gym_ray, a stream's "
+            "record_dir or the helper's recording)",
+            f"run {run_dir}: 1 shard(s), 2 succeeded, 0 failed, 0 pending of 2 planned rollouts",
+            "shard       planned  succeeded  failed  pending  failed_attempts  omitted",
+            "shard-0000        2          2       0        0                0        0",
+            "total             2          2       0        0                0        0",
             "resume would run: 0 rollout(s) (0 with earlier failed attempts)",
             "merged: rollouts.jsonl",
             "aggregate metrics: 2 server(s); failed: env_b",
@@ -301,15 +327,59 @@ def test_aggregate_command_merges_and_prints_key_metrics(
     )
     assert captured.out == (
         "merged 2 shard(s): 3 success(es), 0 failure line(s) -> rollouts.jsonl\n"
+        "servers: the servers the config given names\n"
         f"\nKey metrics for ag1 (env_a):\n{key_a}\n"
         f"\nKey metrics for env_b (env_b):\n{expected_b}\n" + ("" if fail_env_b else f"\nwrote {metrics}\n")
     )
     assert written[0]["key_metrics"]["mean/reward"] == 0.5
+    status = run_status(run_dir)
     if fail_env_b:
         assert captured.err == (
             "gym-ray aggregate: AggregationError: /aggregate_metrics failed for env_b; no "
             f"rollouts_aggregate_metrics.json was written; the failed entries are in {errors}. Start the "
-            f"servers the config names and rerun `gym-ray aggregate {run_dir}`\n"
+            f"servers the config given names and rerun `gym-ray aggregate {run_dir}`, or pass the config of "
+            "the running ones with --use-new-config\n"
         )
+        assert (status.aggregate_errors_path, status.aggregate_errors_failed) == (str(errors), ("env_b",))
+        assert format_status(status).splitlines()[-2:] == [
+            "aggregate metrics: not written",
+            f"last aggregate: failed for env_b (no metrics written); its entries are in {errors}",
+        ]
     else:
         assert captured.err == ""
+        assert (status.aggregate_errors_path, status.aggregate_errors_failed) == (None, ())
+        assert format_status(status).splitlines()[-1] == "aggregate metrics: 2 server(s)"
+
+
+def test_a_successful_aggregate_removes_the_errors_file_of_a_failed_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _shard(run_dir, "s0", inputs=[_row(0, 0)], successes=[_success(0, 0)])
+    _shard(run_dir, "s1", inputs=[_row(1, 0)], successes=[_success(1, 0, server="env_b")])
+    errors = run_dir / "rollouts_aggregate_metrics.errors.json"
+    metrics = run_dir / "rollouts_aggregate_metrics.json"
+    codes = []
+    first = b""
+    for fail_env_b in (False, True, False):
+        cfg_path = tmp_path / f"cfg-{len(codes)}.yaml"
+        with start_in_thread(_cli_config(cfg_path, fail_env_b)) as deployment:
+            cfg_path.write_text(yaml.safe_dump(deployment.config))
+            codes.append(cli.main(["aggregate", str(run_dir), str(cfg_path)]))
+        written = metrics.read_bytes()
+        lines = format_status(run_status(run_dir)).splitlines()
+        if fail_env_b:  # the metrics of the first aggregate stay; the status says the last one failed
+            assert errors.exists()
+            assert written == first
+            assert lines[-2:] == [
+                "aggregate metrics: 2 server(s)",
+                "last aggregate: failed for env_b (the metrics above are older); its entries are in "
+                f"{errors}",
+            ]
+        else:
+            first = written
+            assert not errors.exists()
+            assert lines[-1] == "aggregate metrics: 2 server(s)"
+    capsys.readouterr()
+    assert codes == [0, 1, 0]

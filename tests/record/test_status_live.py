@@ -1,6 +1,7 @@
 """``gym-ray status`` on a live run: a running shard rewrites its progress file as it goes, so the rate
 and ETA status reads are computed from counts and a timestamp that describe the same moment (not from
-the lines on disk now divided by the time of the last *finished* shard)."""
+the lines on disk now divided by the time of the last *finished* shard). The shard runs while this process
+holds the folder's run lock, as a run does: status gives a rate and an ETA only while the run is running."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from gym_ray.config.run_config import resolve_run_config
 from gym_ray.plan.shards import prepare_run
+from gym_ray.record.run_lock import RunLock
 from gym_ray.record.status import run_status
 from gym_ray.run import collect
 from gym_ray.servers import Deployment, calc_config, calc_rows, serve_config
@@ -55,8 +57,10 @@ async def test_status_of_a_running_shard_reads_its_fresh_progress_file(
             )
         )
 
-    async with collect.client_for(run) as client:
-        report = await collect.run_shard(spec, client=client, run=run, on_outcome=look)
+    with RunLock(plan.run_dir, what="collect"):
+        async with collect.client_for(run) as client:
+            report = await collect.run_shard(spec, client=client, run=run, on_outcome=look)
+        final = run_status(plan.run_dir)
     assert report.succeeded == ROWS
 
     # At the k-th outcome (1-based) its record is on disk, and the progress file holds the k - 1 before it.
@@ -68,5 +72,11 @@ async def test_status_of_a_running_shard_reads_its_fresh_progress_file(
         assert created_at is not None
         assert rate == pytest.approx(attempts / (updated_at - created_at))  # attempts == k - 1
         assert eta == pytest.approx(pending / rate)  # type: ignore[operator]
-    final = run_status(plan.run_dir)
-    assert (final.shards[0].progress_attempts, final.pending, final.eta_s) == (ROWS, 0, 0.0)
+    assert (final.state, final.shards[0].progress_attempts, final.pending, final.eta_s) == (
+        "running",
+        ROWS,
+        0,
+        0.0,
+    )
+    after = run_status(plan.run_dir)  # the lock is free and no state file says how the run ended
+    assert (after.state, after.rate_per_s, after.eta_s) == ("unknown", None, None)

@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 
+from gym_ray.config.run_config import resolve_run_config
 from gym_ray.errors import NoProgressError, ResumeError, ValidationError
 from gym_ray.plan.run_manifest import RUN_MANIFEST
+from gym_ray.plan.shards import prepare_run
 from gym_ray.record.ledger import check_run
 from gym_ray.run.collect import acollect_local
 from gym_ray.servers import Deployment, serve_config
@@ -122,15 +124,29 @@ async def test_bad_rows_are_refused_before_anything_is_written_or_sent(
     assert not out.exists() or list(out.iterdir()) == []
 
 
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
 async def test_changed_inputs_are_refused_on_resume(deployment: Deployment, tmp_path: Path) -> None:
     out = str(tmp_path / "run")
     await acollect_local(deployment.config, rows=_rows(6), output_dir=out, shard_size=100)
     changed = _rows(6)
     changed[2]["expected_answer"] = "999"
     deployment.reset_stats()
-    with pytest.raises(ResumeError, match=r"shard 00000 of .* was planned from other inputs"):
+    before = _files(Path(out))
+    expected = (
+        r"the run was planned from 6 rows \(sha256 [0-9a-f]{12}\.\.\.\); the 6 rows given now "
+        r"\(sha256 [0-9a-f]{12}\.\.\.\) differ; resume with the same input"
+    )
+    with pytest.raises(ResumeError, match=expected):
         await acollect_local(deployment.config, rows=changed, output_dir=out, shard_size=100)
     assert deployment.stats("calc_env").requests == 0
+    assert _files(Path(out)) == before  # refused: nothing written
+    # planning's own check (each shard's inputs against the new cut) still stands behind it
+    run = await resolve_run_config(deployment.config, settings={"output_dir": out, "shard_size": 100})
+    with pytest.raises(ResumeError, match=r"shard 00000 of .* was planned from other inputs"):
+        prepare_run(run, rows=changed)
 
 
 async def test_changed_config_is_refused_on_resume(deployment: Deployment, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ other in a folder where the README's relative paths resolve (``gym_ray`` links t
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 import shlex
 import subprocess
@@ -76,10 +77,12 @@ def test_the_readme_serve_then_run_commands_work_as_written(tmp_path: Path) -> N
         results = [gym_ray(command[1:], cwd=tmp_path) for command in commands[1:]]
         for command, result in zip(commands[1:], results, strict=True):
             assert result.returncode == 0, (command, result.stdout, result.stderr)
-        # stderr is not a TTY here: the run prints plain progress lines (the first at once, the last at the
-        # end), nothing else; status and aggregate print nothing there.
+        # stderr is not a TTY here: the run prints plain progress lines (the first once the total is known,
+        # the last at the end; a run done before the first poll prints one, never the same line twice),
+        # nothing else; status and aggregate print nothing there.
         progress = results[0].stderr.splitlines()
-        assert len(progress) >= 2, results[0].stderr
+        assert progress, results[0].stderr
+        assert all(line != after for line, after in itertools.pairwise(progress)), progress
         assert all(re.fullmatch(r"\d+/200 \(\d+\.\d%\) .*/s failed 0 ETA .*", line) for line in progress)
         assert progress[-1].startswith("200/200 (100.0%) ")
         assert (results[1].stderr, results[2].stderr) == ("", "")
@@ -96,16 +99,24 @@ def test_the_readme_serve_then_run_commands_work_as_written(tmp_path: Path) -> N
         metrics = out / "rollouts_aggregate_metrics.json"
         before = _digest(metrics)
 
-        # A failed aggregate never makes the folder worse: the good metrics file stays byte for byte.
+        # A config naming other servers than the run recorded is refused unless told (--use-new-config);
+        # told, a failed aggregate never makes the folder worse: the good metrics file stays byte for byte.
         dead = dead_config(tmp_path / "dead.yaml")
-        failed = gym_ray(["aggregate", "runs/mine", str(dead)], cwd=tmp_path)
+        refused = gym_ray(["aggregate", "runs/mine", str(dead)], cwd=tmp_path)
+        assert refused.returncode == 2
+        assert first_line(refused.stderr).startswith(
+            "gym-ray aggregate: error: the config given resolves to other servers than the run in runs/mine "
+            "recorded (gym_ray_run.json): head server http://127.0.0.1:"
+        )
+        failed = gym_ray(["aggregate", "runs/mine", str(dead), "--use-new-config"], cwd=tmp_path)
         errors = Path("runs/mine") / "rollouts_aggregate_metrics.errors.json"
         assert (failed.returncode, failed.stderr.splitlines()) == (
             1,
             [
                 "gym-ray aggregate: AggregationError: /aggregate_metrics failed for arith_env; the "
                 f"previous rollouts_aggregate_metrics.json is unchanged; the failed entries are in {errors}. "
-                "Start the servers the config names and rerun `gym-ray aggregate runs/mine`"
+                "Start the servers the config given names and rerun `gym-ray aggregate runs/mine`, or pass "
+                "the config of the running ones with --use-new-config"
             ],
         )
         assert _digest(metrics) == before
@@ -114,9 +125,13 @@ def test_the_readme_serve_then_run_commands_work_as_written(tmp_path: Path) -> N
         serve.terminate()
         serve.communicate(timeout=60)
 
-    # With the servers gone, the recorded (head-only) config cannot be completed: one line, file intact.
+    # With the servers gone, aggregate still talks to the servers the run recorded (no config file is read
+    # again): they refuse the connection, one line, file intact.
     gone = gym_ray(["aggregate", "runs/mine"], cwd=tmp_path)
     assert gone.returncode == 1
-    assert first_line(gone.stderr).startswith("gym-ray aggregate: ServerConnectionError: ")
+    assert first_line(gone.stderr).startswith(
+        "gym-ray aggregate: AggregationError: /aggregate_metrics failed for arith_env; the previous "
+        "rollouts_aggregate_metrics.json is unchanged;"
+    )
     assert len(gone.stderr.splitlines()) == 1
     assert _digest(metrics) == before
