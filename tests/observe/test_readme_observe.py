@@ -1,4 +1,4 @@
-"""The README's "Observe a run" walk-through runs as written: its two YAML files and its shell block, in a
+"""docs/observability.md's walk-through runs as written: its two YAML files and its shell block, in a
 fresh folder, with the ``file`` exporter. Two changes only: the head server's port is a free one (so that
 parallel test runs do not collide) and ``gym-ray run`` joins the session's Ray (``RAY_ADDRESS``) instead
 of starting its own."""
@@ -21,15 +21,12 @@ import gym_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
-README = Path(gym_ray.__file__).parent.parent / "README.md"
+GUIDE = Path(gym_ray.__file__).parent.parent / "docs" / "observability.md"
 ROWS = 200  # the bundled arithmetic dataset
 
 
 def _section() -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index("## Observe a run\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+    return GUIDE.read_text(encoding="utf-8")
 
 
 def _free_port() -> int:
