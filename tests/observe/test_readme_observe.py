@@ -81,7 +81,13 @@ def test_readme_observe_walk_through_runs_as_written(ray_session: Any, tmp_path:
         assert server["trace_id"] == client["trace_id"] in rollouts
 
     lines = proc.stdout.splitlines()
+    (state,) = [line for line in lines if line.startswith("state: ")]
+    assert re.fullmatch(r"state: finished .*, complete \(.*\)", state), state
     (head,) = [line for line in lines if line.startswith("run runs/observe: ")]
-    assert re.fullmatch(r"run runs/observe: \d+ shard\(s\), complete", head), head
+    assert re.fullmatch(
+        rf"run runs/observe: \d+ shard\(s\), {ROWS} succeeded, 0 failed, 0 pending of {ROWS} planned "
+        "rollouts",
+        head,
+    ), head
     assert "resume would run: 0 rollout(s) (0 with earlier failed attempts)" in lines
     assert "merged: rollouts.jsonl" in lines
