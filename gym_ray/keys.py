@@ -61,6 +61,10 @@ FAILURE_HTTP_STATUS: Final = "_ng_failure_http_status"
 FAILURE_RESPONSE_BODY: Final = "_ng_failure_response_body"
 FAILURE_STAGE: Final = "_ng_failure_stage"
 FAILURE_PARTIAL_RESPONSE: Final = "_ng_failure_partial_response"
+#: ``/run`` requests the server may have seen for this attempt (the engine's resends included).
+FAILURE_REQUESTS: Final = "_ng_failure_requests"
+#: What each of those requests met, in order (``"timeout"``, ``"broken"``, ``"http_502"``, ...).
+FAILURE_REQUEST_ERRORS: Final = "_ng_failure_request_errors"
 RESULT_TYPE: Final = "_ng_result_type"
 NG_TRAJECTORY: Final = "ng_trajectory"
 NG_PERF: Final = "ng_perf"

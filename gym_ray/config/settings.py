@@ -346,11 +346,13 @@ class RunSettings(BaseModel):
         responses_create_params: run-level overrides merged into every flat row's create params.
         max_resident_tasks: rollouts in flight per worker (admission bound).
         max_connections: HTTP connection pool limit per worker; unset or null takes ``max_resident_tasks``.
-        request_timeout_s / connect_timeout_s: per request / per connect.
+        request_timeout_s / connect_timeout_s: per request / per connect. A ``/run`` that times out on a
+            server that still answers ``GET /`` is sent at most 3 times, then recorded as failed.
         dispatch_budget_s: stop admitting after this many seconds and drain, or None (no budget).
         drain_margin_s: time kept back from the budget for draining, or None (automatic).
         route_failures_to_sidecar: write failure records to ``*_failures.jsonl``.
-        retry_requests: retry a ``/run`` whose connection failed before an answer.
+        retry_requests: resend a ``/run`` the server may have received (timeout, dropped connection,
+            429/502/503/504); false sends each once (a connection that was never made is still retried).
         max_rollout_attempts: (unset: ``NEMO_GYM_MAX_ROLLOUT_ATTEMPTS`` when set, as in NeMo Gym 0.7)
             attempts per rollout before resume gives up on it (rollouts the server
             answered with a failure; infrastructure failures do not count).

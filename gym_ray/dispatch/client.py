@@ -368,6 +368,7 @@ class ServerClient:
         retry_requests: bool | None = None,
         headers: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
+        prior_attempts: int = 0,
     ) -> Any:
         """POST ``body`` as JSON to ``server`` + ``path`` and return the parsed JSON reply (any JSON type).
 
@@ -378,6 +379,8 @@ class ServerClient:
             retry_requests: overrides the client default for replaying a request that may have been received.
             headers: extra headers; ``Content-Type: application/json`` is always sent.
             timeout_s: overrides ``request_timeout_s`` for this call (None: the client default).
+            prior_attempts: requests the caller already sent for the same purpose (a caller that runs its
+                own retry ladder, as the dispatch engine does for ``/run``); error messages count them.
 
         Returns:
             The reply body parsed with ``json.loads``; checking its shape is the caller's job.
@@ -398,7 +401,14 @@ class ServerClient:
                 "dicts/lists/str/int/float/bool/None"
             ) from exc
         return await self._request(
-            "POST", server, path, data, json_headers(headers), retry_requests, timeout_s
+            "POST",
+            server,
+            path,
+            data,
+            json_headers(headers),
+            retry_requests,
+            timeout_s,
+            prior_attempts=prior_attempts,
         )
 
     async def post_json_file(
@@ -485,6 +495,23 @@ class ServerClient:
             self._urls[text] = url
         return text, url
 
+    @property
+    def max_request_retries(self) -> int:
+        """Replays of one request whose body may have reached the server, when replaying is allowed."""
+        return self._max_request_retries
+
+    def backoff_s(self, retry_index: int, *, cap_s: float | None = None) -> float:
+        """The jittered delay before retry ``retry_index`` (0 for the first): ``backoff_base_s`` doubled per
+        retry, capped by ``max_backoff_s`` (and ``cap_s`` when given), then scaled by a factor in
+        [0.5, 1.0]."""
+        cap = self._max_backoff_s if cap_s is None else min(cap_s, self._max_backoff_s)
+        delay = min(cap, self._backoff_base_s * (2.0**retry_index))
+        return delay * (0.5 + 0.5 * self._rng.random())
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep with the client's clock (what its own backoffs await; tests inject it)."""
+        await self._sleep(seconds)
+
     def _backoff_s(self, retry_index: int, retry_after_s: float | None) -> float:
         if retry_after_s is not None:
             return min(retry_after_s, self._max_backoff_s)
@@ -502,6 +529,7 @@ class ServerClient:
         timeout_s: float | None,
         *,
         reply_path: Path | None = None,
+        prior_attempts: int = 0,
     ) -> Any:
         st = self._loop_state()
         text, url = self._url(server, path)
@@ -578,7 +606,7 @@ class ServerClient:
                         body_excerpt=excerpt_of(payload),
                     ) from exc
 
-            attempts = connect_failures + request_retries + 1
+            attempts = prior_attempts + connect_failures + request_retries + 1
             if failure is None:
                 retry_after_s = parse_retry_after(retry_after_raw, self._clock())
                 if not (

@@ -11,11 +11,22 @@ the budget, or with less time left than the drain margin (explicit, else the p75
 ``/run`` latencies once 5 exist), is not sent and resolves to
 :func:`~gym_ray.dispatch.outcomes.drained_result`.
 
-With a :class:`~gym_ray.dispatch.health.ServerHealth` (collection runs pass one), an infrastructure failure
-of ``/run`` (see :func:`~gym_ray.dispatch.health.is_infrastructure_failure`) is not a failure record: the
-row waits until its server is admitted again and is resent, up to ``max_infra_retries`` times; only then
-does the last error become its failure record. The semaphore is then taken per attempt, so a row waiting
-for a down server holds no slot.
+With a :class:`~gym_ray.dispatch.health.ServerHealth` (collection runs and streams pass one), the engine
+is the only retry ladder of a ``/run``: the HTTP client sends each request once (it still retries a
+connection that could not be made, which sent nothing) and every request the server may have seen is
+counted in the row's failure record (``_ng_failure_requests``, ``_ng_failure_request_errors``):
+
+- a timeout of a server that still answers a probe (``GET /``) is the rollout's: replayed (when
+  ``retry_requests``) up to the client's ``max_request_retries`` times, then its failure record. The worst
+  case from a hung ``/run`` to its record is about ``request_timeout_s x (max_request_retries + 1)`` plus
+  the backoffs (under 1.5 s with the defaults) and the probes;
+- any other infrastructure failure (see :func:`~gym_ray.dispatch.health.is_infrastructure_failure`), and a
+  timeout of a server that does not answer its probe, is not a failure record: the row waits until its
+  server is admitted again and is resent, up to ``max_infra_retries`` times; only then does the last error
+  become its failure record.
+
+Resends wait a jittered backoff (the client's, capped at :data:`RESEND_BACKOFF_CAP_S`) and take the
+semaphore per attempt, so a row waiting for a down server or a backoff holds no slot.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ from gym_ray.dispatch.outcomes import (
     is_expected_failure,
     is_materialized_row,
 )
-from gym_ray.errors import InputError, ServerHTTPError, ServerResponseError
+from gym_ray.errors import InputError, ServerConnectionError, ServerHTTPError, ServerResponseError
 
 if TYPE_CHECKING:
     from gym_ray.observe.tracing import Tracer
@@ -75,7 +86,38 @@ DRAIN_MARGIN_MIN_SAMPLES = 5
 INTERLEAVE_WINDOW = 4096
 #: Resends of one row after infrastructure failures of a server that still looked up (default).
 DEFAULT_MAX_INFRA_RETRIES = 10
-_INFRA_RETRY: Any = object()
+#: Longest wait between two sends of one row's ``/run`` (the client's doubling backoff, capped lower).
+RESEND_BACKOFF_CAP_S = 2.0
+
+
+@dataclass(slots=True)
+class _Ladder:
+    """One row's sends of ``/run`` in this dispatch (the engine's retry ladder, counted once)."""
+
+    errors: list[str]  # what each request the server may have seen met, in order
+    infra: int = 0  # infrastructure resends spent
+    replays: int = 0  # replays after a timeout of a server that still answered its probe
+
+    @property
+    def resends(self) -> int:
+        return self.infra + self.replays
+
+
+@dataclass(frozen=True, slots=True)
+class _SendFailed:
+    """What ``_attempt`` returns on the ladder when a send failed in an expected way (decided outside
+    the semaphore: the decision may probe the server)."""
+
+    exc: Exception
+
+
+def _request_error(exc: Exception) -> str | None:
+    """What a failed send met, as the failure record lists it; None when nothing was sent (no connection)."""
+    if isinstance(exc, ServerConnectionError):
+        return None if exc.kind == "connect" else (exc.kind or "broken")
+    if isinstance(exc, ServerHTTPError):
+        return f"http_{exc.status}"
+    return "bad_reply"
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,20 +354,46 @@ class _Dispatcher:
     async def _run_row(self, row: Row) -> tuple[Row, Any]:
         health = self.health
         if health is None:
-            out: tuple[Row, Any] = await self._attempt(row, last=True)
+            out: tuple[Row, Any] = await self._attempt(row, None)
             return out
         server, url, _ = self.server_of(row)
-        retries = 0
+        ladder = _Ladder([])
         while True:
             await health.admit(url, server)
             slot = self.semaphore if self.semaphore is not None else contextlib.nullcontext()
             async with slot:
-                out = await self._attempt(row, last=retries >= self.max_infra_retries)
-            if out is not _INFRA_RETRY:
+                out = await self._attempt(row, ladder)
+            if not isinstance(out, _SendFailed):
                 return out
-            retries += 1
+            exc = out.exc
+            if not await self._resend(exc, url, server, ladder):
+                return await self._failed(row, exc, server, ladder)
+            if not (isinstance(exc, ServerHTTPError) and exc.retry_after_s is not None):
+                # (a Retry-After pauses the server's admission instead)
+                await self.client.sleep(self.client.backoff_s(ladder.resends - 1, cap_s=RESEND_BACKOFF_CAP_S))
 
-    async def _attempt(self, row: Row, *, last: bool) -> Any:
+    async def _resend(self, exc: Exception, url: str, server: str, ladder: _Ladder) -> bool:
+        """Whether a row whose send failed with ``exc`` goes again (the ladder's budgets counted here)."""
+        health = self.health
+        assert health is not None
+        timed_out = isinstance(exc, ServerConnectionError) and exc.kind == "timeout"
+        if timed_out and self.retry_requests and await health.answers_probe(url):
+            health.answered(url)  # alive: the timeout is this rollout's
+            if ladder.replays < self.client.max_request_retries:
+                ladder.replays += 1
+                return True
+            return False
+        if is_infrastructure_failure(exc, replay=self.retry_requests):
+            health.failed(url, server, exc)
+            if ladder.infra < self.max_infra_retries:
+                ladder.infra += 1
+                return True
+            return False
+        if isinstance(exc, ServerHTTPError | ServerResponseError):
+            health.answered(url)
+        return False
+
+    async def _attempt(self, row: Row, ladder: _Ladder | None) -> Any:
         server, url, impl = self.server_of(row)
         if self.deadline is not None:
             remaining = self.deadline - self.clock()
@@ -336,23 +404,28 @@ class _Dispatcher:
         if self.before_send is not None:
             self.before_send(row)
         body = episode_request_body(row) if is_materialized_row(row) else row
+        # on the ladder the engine alone resends a /run the server may have seen
+        replay = self.retry_requests if ladder is None else False
+        sent = 0 if ladder is None else len(ladder.errors)
         started = time.perf_counter()
         try:
             if self.tracer is None:
-                reply = await self.client.post_json(url, "/run", body, retry_requests=self.retry_requests)
+                reply = await self.client.post_json(
+                    url, "/run", body, retry_requests=replay, prior_attempts=sent
+                )
             else:
-                reply = await self.tracer.post_run(self.client, url, body, retry_requests=self.retry_requests)
+                reply = await self.tracer.post_run(
+                    self.client, url, body, retry_requests=replay, prior_attempts=sent
+                )
         except Exception as exc:
             if not is_expected_failure(exc):
                 raise
-            if self.health is not None:
-                if is_infrastructure_failure(exc, replay=self.retry_requests):
-                    self.health.failed(url, server, exc)
-                    if not last:
-                        return _INFRA_RETRY
-                elif isinstance(exc, ServerHTTPError | ServerResponseError):
-                    self.health.answered(url)
-            return await self._failed(row, exc, server)
+            if ladder is None:
+                return await self._failed(row, exc, server)
+            kind = _request_error(exc)
+            if kind is not None:
+                ladder.errors.append(kind)
+            return _SendFailed(exc)
         elapsed = time.perf_counter() - started
         if self.health is not None:
             self.health.answered(url)
@@ -391,14 +464,21 @@ class _Dispatcher:
             return row, CompletedRollout(row, result, None, server, impl)
         return row, build_record(row, result, environment_server=server, result_type=impl)
 
-    async def _failed(self, row: Row, exc: Exception, server: str) -> tuple[Row, Any]:
+    async def _failed(
+        self, row: Row, exc: Exception, server: str, ladder: _Ladder | None = None
+    ) -> tuple[Row, Any]:
         self.failed += 1
+        sends: dict[str, Any] = {}
+        if ladder is not None:
+            sends = {"requests": len(ladder.errors), "request_errors": tuple(ladder.errors)}
         if self.route or self.shape == "outcomes":
-            record = RolloutFailureRecord.from_exception(exc, row, environment_server=server)
+            record = RolloutFailureRecord.from_exception(exc, row, environment_server=server, **sends)
             return row, (record.failure_fields() if self.shape == "examples" else record)
         if not self.record_unrouted:
             raise exc
-        record = RolloutFailureRecord.from_exception(exc, row, environment_server=server, run_error=True)
+        record = RolloutFailureRecord.from_exception(
+            exc, row, environment_server=server, run_error=True, **sends
+        )
         evidence = record.failure_fields() if self.shape == "examples" else record.to_row()
         if self.record_failure is None:
             return row, (evidence if self.shape == "examples" else record)

@@ -334,6 +334,14 @@ class ServerHealth:
         if st.streak >= self._down_after and st.down_since is None and st.error is None and not self._closed:
             self._mark_down(st, now)
 
+    async def answers_probe(self, url: str) -> bool:
+        """One probe of ``url`` now (``GET /``, the probe timeout): does the server still answer?
+
+        The engine asks it after a ``/run`` timed out: a server that answers is alive and the timeout is
+        that rollout's; one that does not is counted as an infrastructure failure.
+        """
+        return await self._is_up(url)
+
     # --- visibility ---------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, ServerHealthSample]:
         """Every server seen so far, by name."""

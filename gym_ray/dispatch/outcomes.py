@@ -105,6 +105,8 @@ class RolloutFailureRecord(BaseModel):
     agent: str | None = None
     run_id: str | None = None
     run_error: str | None = None
+    requests: int | None = None
+    request_errors: tuple[str, ...] | None = None
 
     @classmethod
     def from_exception(
@@ -114,6 +116,8 @@ class RolloutFailureRecord(BaseModel):
         *,
         environment_server: str | None = None,
         run_error: bool = False,
+        requests: int | None = None,
+        request_errors: tuple[str, ...] | None = None,
     ) -> RolloutFailureRecord:
         """Classify a failed ``/run``.
 
@@ -122,6 +126,8 @@ class RolloutFailureRecord(BaseModel):
             row: The row that was dispatched (its identity keys are copied).
             environment_server: The server the row was sent to (defaults to the row's stamp).
             run_error: Also keep ``"<Type>: <message>"`` as ``run_error`` (evidence of an unrouted failure).
+            requests: ``/run`` requests the server may have seen for this attempt (the engine's count).
+            request_errors: what each of them met, in order.
 
         Returns:
             ``agent_run_error`` for an answered non-gateway status (including a 200 with a bad body),
@@ -145,6 +151,8 @@ class RolloutFailureRecord(BaseModel):
             http_status=status,
             response_body=cap_body(body),
             run_error=f"{type(exc).__name__}: {message}" if run_error else None,
+            requests=requests,
+            request_errors=request_errors,
             **identity,
         )
 
@@ -204,6 +212,10 @@ class RolloutFailureRecord(BaseModel):
             out[keys.FAILURE_STAGE] = self.stage
         if self.partial_response is not None:
             out[keys.FAILURE_PARTIAL_RESPONSE] = self.partial_response
+        if self.requests is not None:
+            out[keys.FAILURE_REQUESTS] = self.requests
+        if self.request_errors is not None:
+            out[keys.FAILURE_REQUEST_ERRORS] = list(self.request_errors)
         if self.run_error is not None:
             out[keys.RUN_ERROR] = self.run_error
         return out

@@ -297,6 +297,7 @@ class Tracer:
         *,
         retry_requests: bool,
         rollout_id: str | None = None,
+        prior_attempts: int = 0,
     ) -> Any:
         """POST ``/run`` inside an ``HTTP POST`` CLIENT span (child of the current span) that sends W3C
         ``traceparent``; retries share the span. Errors propagate unchanged."""
@@ -310,7 +311,12 @@ class Tracer:
             _PROPAGATOR.inject(headers)
             try:
                 reply = await client.post_json(
-                    url, "/run", body, retry_requests=retry_requests, headers=headers
+                    url,
+                    "/run",
+                    body,
+                    retry_requests=retry_requests,
+                    headers=headers,
+                    prior_attempts=prior_attempts,
                 )
             except ServerHTTPError as exc:
                 span.set_attribute("http.response.status_code", exc.status)

@@ -183,7 +183,12 @@ def observe_state(
     if recorded.state == "running":
         return ObservedState("stopped", "killed", None, held, _KILLED, None, recorded)
     return ObservedState(
-        recorded.state, recorded.stopped_by, recorded.ended_at, held, recorded.detail, recorded.complete,
+        recorded.state,
+        recorded.stopped_by,
+        recorded.ended_at,
+        held,
+        recorded.detail,
+        recorded.complete,
         recorded,
     )
 
@@ -226,4 +231,3 @@ def describe_state(observed: ObservedState, *, last_update: float | None = None)
     cause = _CAUSES.get(observed.stopped_by or "", "stopped")
     detail = f": {observed.detail}" if observed.detail else ""
     return f"state: {cause}{when} ({who}){detail}"
-

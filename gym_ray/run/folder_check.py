@@ -137,9 +137,7 @@ def check_run_folder(run: RunConfig, rows: Iterable[Mapping[str, Any]] | None = 
     where = f"run folder {root} (recorded in {RUN_RECORD_FILE})"
     changed_input = input_change(record, identity)
     if changed_input is not None:
-        raise ResumeError(
-            f"{where}: {changed_input}; resume with the same input, or pass a new output_dir"
-        )
+        raise ResumeError(f"{where}: {changed_input}; resume with the same input, or pass a new output_dir")
     changed_settings = settings_changes(record, settings, secret_patterns(run.topology.raw))
     if changed_settings:
         raise ResumeError(

@@ -63,12 +63,16 @@ def stream(
             :class:`~gym_ray.streaming.groups.RolloutGroup` ordered by rollout index, once all are done.
         max_in_flight: Rows admitted and not yet pulled, over all workers (split evenly; >= num_workers).
         buffer_size: Outcomes finished and not yet taken by the consumer (default ``max_in_flight``).
-        timeout_s: Timeout of each ``/run`` request; a timed-out rollout is a failure record.
+        timeout_s: Timeout of each ``/run`` request. A ``/run`` that times out on a server that still
+            answers ``GET /`` is sent at most 3 times (once with ``retry_requests=False``), then delivered
+            as a failure record stating its requests: about ``timeout_s`` x 3 + 1.5 s after it was first
+            sent. A server that stops answering is an outage (its rows wait; see ``max_infra_retries``).
         record_dir: Record every delivered outcome in this run folder (shard ``stream-<run id>``).
         resume: Skip rows ``record_dir`` already holds as done (same input order as the recorded run).
         address: Ray cluster to join when Ray is not initialized (default ``RAY_ADDRESS``, else local).
         max_worker_restarts: Replacement workers allowed (default ``2 * num_workers``).
-        retry_requests: Replay a ``/run`` after a connection failure.
+        retry_requests: Replay a ``/run`` the server may have received (a timeout, a dropped connection,
+            429/502/503/504); False sends each ``/run`` once, except a connection that was never made.
         policy_version: The policy version at the start (see :meth:`RolloutStream.set_policy_version`).
         max_staleness: Deliver no rollout whose version is more than this many versions behind the version
             current at delivery; its row runs again under the current version (None: no bound).

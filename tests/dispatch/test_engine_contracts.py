@@ -539,7 +539,7 @@ async def test_with_health_a_semaphore_bounds_each_attempt_and_never_deadlocks()
     time = FakeTime()
     async with (
         serve_config(make_config(30)) as dep,  # 30 ms per /run: unbounded rows would overlap
-        ServerClient(topology := Topology.from_config(dep.config)) as client,
+        ServerClient(topology := Topology.from_config(dep.config), sleep=time.sleep) as client,
         ServerHealth(client, clock=time.clock, sleep=time.sleep) as health,
     ):
         it = dispatch(
@@ -558,7 +558,7 @@ async def test_with_health_an_infrastructure_failure_is_resent_10_times_by_defau
     dep, topology, _ = wired
     time = FakeTime()
     async with (
-        ServerClient(topology, max_request_retries=0) as client,
+        ServerClient(topology, max_request_retries=0, sleep=time.sleep) as client,
         ServerHealth(client, clock=time.clock, sleep=time.sleep) as health,
     ):
         it = dispatch([row(0, fault="429")], client, topology, health=health, route_failures_to_sidecar=True)
@@ -585,7 +585,7 @@ async def test_with_health_any_answer_between_dropped_connections_resets_the_fai
     time = FakeTime()
     rows = [row(i, **({"fault": "drop"} if i % 2 == 0 else between)) for i in range(5)]
     async with (
-        ServerClient(topology, max_request_retries=0) as client,
+        ServerClient(topology, max_request_retries=0, sleep=time.sleep) as client,
         ServerHealth(client, clock=time.clock, sleep=time.sleep) as health,
     ):
         it = dispatch(

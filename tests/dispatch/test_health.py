@@ -54,7 +54,7 @@ async def test_retry_after_pauses_admission_and_429s_spend_the_infra_budget_not_
         topology = Topology.from_config(dep.config)
         time = FakeTime()
         async with (
-            ServerClient(topology, max_request_retries=0) as client,
+            ServerClient(topology, max_request_retries=0, sleep=FakeTime().sleep) as client,
             ServerHealth(client, clock=time.clock, sleep=time.sleep) as health,
         ):
             it = dispatch(
@@ -84,7 +84,7 @@ async def test_a_stopped_server_holds_its_rows_back_until_a_probe_finds_it_back(
                 await dep.restart_server("env")
 
         async with (
-            ServerClient(topology, connect_retries=0) as client,
+            ServerClient(topology, connect_retries=0, sleep=FakeTime().sleep) as client,
             ServerHealth(client, clock=time.clock, sleep=time.sleep, outage_timeout_s=60) as health,
         ):
             await dep.stop_server("env")
@@ -110,7 +110,7 @@ async def test_a_server_down_past_the_outage_timeout_fails_its_rows_with_server_
         url = dep.url_of("env")
         time = FakeTime()
         async with (
-            ServerClient(topology, connect_retries=0) as client,
+            ServerClient(topology, connect_retries=0, sleep=FakeTime().sleep) as client,
             ServerHealth(client, clock=time.clock, sleep=time.sleep, outage_timeout_s=30) as health,
         ):
             await dep.stop_server("env")

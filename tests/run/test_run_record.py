@@ -65,9 +65,7 @@ def _head_urls(servers: ThreadedDeployment) -> tuple[str, str, str]:
 
 def _moved(a: ThreadedDeployment, b: ThreadedDeployment) -> str:
     (head_a, agent_a, env_a), (head_b, agent_b, env_b) = _head_urls(a), _head_urls(b)
-    return (
-        f"head server {head_a} -> {head_b}; calc_agent {agent_a} -> {agent_b}; calc_env {env_a} -> {env_b}"
-    )
+    return f"head server {head_a} -> {head_b}; calc_agent {agent_a} -> {agent_b}; calc_env {env_a} -> {env_b}"
 
 
 def test_a_second_serve_does_not_change_what_aggregate_of_an_earlier_run_talks_to(
