@@ -33,8 +33,7 @@ from collections import deque
 from typing import Any, Literal, Protocol
 
 from gym_ray.errors import UsageError
-from gym_ray.streaming.delivery import Delivery
-from gym_ray.streaming.groups import RolloutGroup
+from gym_ray.streaming.delivery import Delivery, Ready
 from gym_ray.streaming.step_stats import StepMeter, StreamStats
 from gym_ray.streaming.worker import SeqRow
 
@@ -65,8 +64,9 @@ class _Host(Protocol):
     async def _shutdown(self, *, drain: bool) -> list[Any]: ...
     def _notify(self) -> None: ...
     async def _wait(self) -> None: ...
-    def _take(self) -> RolloutGroup | None: ...
+    def _take(self) -> Ready | None: ...
     def _finished(self) -> bool: ...
+    def _check_open(self, method: str) -> None: ...
     async def _broadcast(self, method: str, *args: Any) -> list[Any]: ...
     async def _cancel_groups(self, gids: set[int]) -> None: ...
 
@@ -160,6 +160,7 @@ class StreamControls:
         Raises:
             UsageError: The stream is closed.
         """
+        self._check_open("resume")
         async with self._control_lock:
             if not self._paused:
                 return
@@ -189,10 +190,14 @@ class StreamControls:
                 returns, and they are neither delivered nor recorded (False).
 
         Returns:
-            ``n_groups`` groups, or fewer when ``timeout_s`` passed or the input ended first.
+            ``n_groups`` groups, or fewer when ``timeout_s`` passed or the input ended first; ``[]`` only
+            when the input is exhausted (or ``timeout_s`` passed with nothing complete).
 
         Raises:
-            UsageError: A bad argument, or the stream is closed.
+            UsageError: A bad argument, or the stream is closed (every call after ``aclose()``).
+            CancelledError: The call was cancelled (``asyncio.wait_for``, a task's cancel): the stream stays
+                open and the groups this call had taken go back to the head of the buffer, so the next call
+                delivers them.
         """
         if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1:
             raise UsageError(f"next_batch({n_groups!r}): n_groups must be an int >= 1")
@@ -200,48 +205,69 @@ class StreamControls:
             raise UsageError(f"next_batch(oversample={oversample!r}): must be a number >= 1")
         if timeout_s is not None and not timeout_s > 0:
             raise UsageError(f"next_batch(timeout_s={timeout_s!r}): must be > 0 seconds, or None")
+        self._check_open("next_batch")
         if self._state == "new":
             await self.start()
         if oversample is not None:
             self._group_budget = math.ceil(n_groups * oversample)
             self._notify()
-        batch: list[RolloutGroup] = []
+        batch: list[Ready] = []
         deadline = asyncio.timeout(timeout_s)
         try:
-            async with deadline:
-                while len(batch) < n_groups:
-                    group = self._take()
-                    if group is not None:
-                        batch.append(group)
-                        continue
-                    if self._error is not None:
-                        raise self._error
-                    if self._finished():
-                        break
-                    await self._wait()
-        except BaseException as exc:
-            if not (isinstance(exc, TimeoutError) and deadline.expired()):
-                await self._shutdown(drain=False)
-                raise
-        self._delivery.commit(batch, self._version)
-        self._notify()
-        async with self._control_lock:
-            running = set(self._delivery.running)
-            if carry_over:
-                self._meter.count("carried_over", len(running))
+            try:
+                async with deadline:
+                    while len(batch) < n_groups:
+                        entry = self._take()
+                        if entry is not None:
+                            batch.append(entry)
+                            continue
+                        if self._error is not None:
+                            raise self._error
+                        if self._finished():
+                            break
+                        await self._wait()
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+            async with self._control_lock:
+                running = set(self._delivery.running)
+                if carry_over:
+                    self._meter.count("carried_over", len(running))
+                else:
+                    await self._cancel_groups(running)
+        except asyncio.CancelledError:
+            if self._state == "running":  # the caller gave up on this call, not on the stream
+                self._delivery.unread(batch)
+                self._notify()
             else:
-                await self._cancel_groups(running)
-        return batch if self._group_size is not None else [group[0] for group in batch]
+                await self._shutdown(drain=False)
+            raise
+        except BaseException:
+            await self._shutdown(drain=False)
+            raise
+        # delivery is the last step, with no await after it: a cancelled call has delivered nothing
+        groups = [group for _, group in batch]
+        self._delivery.commit(groups, self._version)
+        self._notify()
+        return groups if self._group_size is not None else [group[0] for group in groups]
+
+    def _check_open(self: _Host, method: str) -> None:
+        """Raise the stream's error, or ``UsageError``, when the stream is closing or closed."""
+        if self._state in ("closing", "closed"):
+            if self._error is not None:
+                raise self._error
+            raise UsageError(f"{method}: this stream is closed")
 
     def _finished(self: _Host) -> bool:
         return self._state in ("closing", "closed") or (self._source_done and self._delivery.open == 0)
 
-    def _take(self: _Host) -> RolloutGroup | None:
-        """The next deliverable group, queueing stale rollouts again on the way (see Delivery.take)."""
+    def _take(self: _Host) -> Ready | None:
+        """The next deliverable ``(group id, group)``, queueing stale rollouts again on the way (see
+        Delivery.take)."""
         while True:
-            group, requeue = self._delivery.take(self._version)
+            entry, requeue = self._delivery.take(self._version)
             if not requeue:
-                return group
+                return entry
             self._queue.extendleft(reversed(requeue))
             self._notify()
 

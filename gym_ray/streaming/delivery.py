@@ -33,10 +33,12 @@ from gym_ray.streaming.groups import Item, RolloutGroup, Row, is_stale, version_
 from gym_ray.streaming.step_stats import StepMeter
 from gym_ray.streaming.worker import Outcome, SeqRow
 
-__all__ = ["Delivery", "StaleCallback"]
+__all__ = ["Delivery", "Ready", "StaleCallback"]
 
 #: ``on_stale(row, outcome)``: sees a stale rollout before its row runs again (to keep it elsewhere).
 StaleCallback = Callable[[Row, Outcome], None]
+#: A complete group in the buffer, with its group id.
+Ready = tuple[int, RolloutGroup]
 
 
 class Delivery:
@@ -72,7 +74,7 @@ class Delivery:
         self.meter = meter
         self.writer: Any = None  # a ShardWriter when the stream records
         self.partial: dict[int, dict[int, Item]] = {}
-        self.ready: deque[tuple[int, RolloutGroup]] = deque()
+        self.ready: deque[Ready] = deque()
         self.running: set[int] = set()
         self.open = 0  # rows read and not in ``ready``, delivered, dropped or cancelled
         self.buffered = 0  # rows in ``ready``
@@ -130,18 +132,19 @@ class Delivery:
                 self.meter.count("filtered", reason=reason)
         return None
 
-    def take(self, current: int) -> tuple[RolloutGroup | None, list[SeqRow]]:
-        """The next complete group if none of its rollouts is stale; else ``(None, rows to queue again)``.
+    def take(self, current: int) -> tuple[Ready | None, list[SeqRow]]:
+        """The next complete ``(group id, group)`` if none of its rollouts is stale; else ``(None, rows to
+        queue again)``.
 
         Returns ``(None, [])`` when the buffer is empty. A group with stale rollouts goes back to
         ``partial`` (its fresh rollouts kept) until its re-runs arrive.
         """
         if not self.ready:
             return None, []
-        gid, group = self.ready.popleft()
+        gid, group = entry = self.ready.popleft()
         self.buffered -= self.width
         if not any(is_stale(version_of(item), current, self.max_staleness) for item in group):
-            return group, []
+            return entry, []
         self.running.add(gid)
         self.open += self.width
         fresh: dict[int, Item] = {}
@@ -153,6 +156,13 @@ class Delivery:
                 fresh[index] = (row, outcome)
         self.partial[gid] = fresh
         return None, requeue
+
+    def unread(self, entries: Sequence[Ready]) -> None:
+        """Put groups taken and not delivered back at the head of the buffer, in their order (a
+        cancelled ``next_batch``)."""
+        for entry in reversed(entries):
+            self.ready.appendleft(entry)
+            self.buffered += self.width
 
     def _stale(self, seq: int, row: Row, outcome: Outcome) -> SeqRow:
         self.meter.count("stale")

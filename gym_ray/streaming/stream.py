@@ -244,8 +244,9 @@ class RolloutStream(StreamControls):
             await self.start()
         try:
             while True:
-                group = self._take()
-                if group is not None:
+                entry = self._take()
+                if entry is not None:
+                    _, group = entry
                     self._delivery.commit([group], self._version)
                     self._notify()
                     return group if self._group_size is not None else group[0]

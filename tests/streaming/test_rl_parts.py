@@ -74,8 +74,9 @@ def test_delivery_counts_filtered_groups_by_filter_name_and_refuses_a_non_bool_v
             row, outcome = _item(gid, index, 0, reward)
             assert delivery.accept(2 * gid + index, row, outcome, 0, 0) is None
     assert (delivery.open, delivery.buffered, dict(meter.filtered)) == (0, 2, {"drop_uniform_reward": 2})
-    group, requeue = delivery.take(0)
-    assert (group is not None and group.task_index, requeue) == (1, [])
+    entry, requeue = delivery.take(0)
+    assert entry is not None
+    assert (entry[0], entry[1].task_index, requeue) == (1, 1, [])
 
     delivery, _ = _delivery(group_filter=lambda group: "yes")
     delivery.opened(0)
@@ -92,16 +93,17 @@ def test_delivery_requeues_only_the_stale_rollouts_of_a_group() -> None:
     delivery.opened(0)
     delivery.accept(0, *_item(0, 0, 0, 1.0), 0, 1)  # version 0, current 1: within the bound
     delivery.accept(1, *_item(0, 1, 1, 0.0), 1, 1)
-    group, requeue = delivery.take(2)  # the version moved on: rollout 0 is now 2 behind
-    assert group is None
+    entry, requeue = delivery.take(2)  # the version moved on: rollout 0 is now 2 behind
+    assert entry is None
     assert [(seq, row[keys.ROLLOUT_INDEX], keys.POLICY_VERSION in row) for seq, row in requeue] == [
         (0, 0, False)
     ]
     assert (seen, meter.stale, delivery.open, delivery.buffered) == ([0], 1, 2, 0)
     delivery.accept(0, *_item(0, 0, 2, 1.0), 2, 2)
-    group, requeue = delivery.take(2)
-    assert group is not None
-    assert (group.oldest_version, group.newest_version, requeue) == (1, 2, [])
+    entry, requeue = delivery.take(2)
+    assert entry is not None
+    gid, group = entry
+    assert (gid, group.oldest_version, group.newest_version, requeue) == (0, 1, 2, [])
     delivery.commit([group], 2)
     assert (delivery.delivered, dict(meter.staleness)) == (2, {0: 1, 1: 1})
 

@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from gym_ray import keys
+from gym_ray.errors import UsageError
 from gym_ray.record.jsonl import JsonlReader
 from gym_ray.record.shard_files import list_shards, shard_paths
 from gym_ray.servers import serve_config
@@ -300,6 +301,27 @@ async def test_next_batch_timeout_returns_what_is_complete_and_the_stream_goes_o
         await _until(
             lambda: servers.stats("slow_env").cancelled == 2, "the slow handlers cancelled by the close"
         )
+
+
+async def test_a_next_batch_cancelled_by_wait_for_leaves_the_stream_usable(ray_session: Any) -> None:
+    # 3 fast groups complete, 1 slow one runs: next_batch(4) takes the 3, waits for the 4th and is cancelled
+    # by wait_for. The 3 go back to the buffer; the next call delivers them, and nothing is closed.
+    rows = [_row(0), _row(1), _row(2), _row(3, "slow")]
+    async with serve_config(_config(slow_ms=60_000)) as servers:
+        rollouts = stream(rows, config=servers.config, group_size=2, max_in_flight=8)
+        async with rollouts:
+            await _until(lambda: rollouts.stats().buffered == 6, "the three fast groups complete")
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(rollouts.next_batch(4), 0.5)
+            assert rollouts.stats().buffered == 6
+            assert rollouts.stats().delivered == 0
+            batch = await rollouts.next_batch(3)
+            assert sorted(g.task_index for g in batch) == [0, 1, 2]  # type: ignore[union-attr]
+            assert rollouts.stats().delivered == 6
+        with pytest.raises(UsageError, match=r"^next_batch: this stream is closed$"):
+            await rollouts.next_batch(1)
+        with pytest.raises(UsageError, match=r"^resume: this stream is closed$"):
+            await rollouts.resume()
 
 
 _CRASHING_TRAINER = """
