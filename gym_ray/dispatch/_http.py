@@ -5,24 +5,28 @@ from __future__ import annotations
 
 import email.utils
 import math
+import random
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC
 from pathlib import Path
 from typing import BinaryIO
 
 import aiohttp
 
-from gym_ray.errors import InputError, RecordError, ServerConnectionError
+from gym_ray.errors import ConfigError, InputError, RecordError, ServerConnectionError
 
 __all__ = [
     "BODY_EXCERPT_CHARS",
     "CONNECT_ERRORS",
     "JSON_HEADERS",
+    "Backoff",
     "connection_error",
     "excerpt_of",
     "json_headers",
     "open_body",
     "parse_retry_after",
+    "positive",
     "save_reply",
 ]
 
@@ -32,6 +36,34 @@ JSON_HEADERS: Mapping[str, str] = {"Content-Type": "application/json"}
 BODY_EXCERPT_CHARS = 2000
 #: aiohttp errors raised when no connection could be established (nothing was sent).
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+def positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
+    """Refuse ``value`` unless it is a positive finite number (or None, when ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    if value is None or not value > 0 or not math.isfinite(value):
+        none_hint = " or None for no limit" if allow_none else ""
+        raise ConfigError(f"{name}={value!r} is invalid: pass a positive finite number{none_hint}", key=name)
+
+
+@dataclass(slots=True)
+class Backoff:
+    """Jittered doubling backoff: ``base_s`` doubled per retry and capped at ``max_s``, then scaled by a
+    factor in [0.5, 1.0]; a ``Retry-After`` hint is honoured as it is, up to the cap."""
+
+    base_s: float
+    max_s: float
+    rng: random.Random
+
+    def delay(
+        self, retry_index: int, retry_after_s: float | None = None, *, cap_s: float | None = None
+    ) -> float:
+        """Seconds to wait before retry ``retry_index`` (0 for the first); ``cap_s`` lowers the cap."""
+        cap = self.max_s if cap_s is None else min(cap_s, self.max_s)
+        if retry_after_s is not None:
+            return min(retry_after_s, cap)
+        return min(cap, self.base_s * (2.0**retry_index)) * (0.5 + 0.5 * self.rng.random())
 
 
 def excerpt_of(payload: bytes) -> str:

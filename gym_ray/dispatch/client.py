@@ -30,7 +30,6 @@ import asyncio
 import enum
 import json
 import logging
-import math
 import os
 import random
 import socket
@@ -49,11 +48,13 @@ from gym_ray import keys
 from gym_ray.dispatch._http import BODY_EXCERPT_CHARS as BODY_EXCERPT_CHARS
 from gym_ray.dispatch._http import (
     CONNECT_ERRORS,
+    Backoff,
     connection_error,
     excerpt_of,
     json_headers,
     open_body,
     parse_retry_after,
+    positive,
     save_reply,
 )
 from gym_ray.errors import (
@@ -119,12 +120,10 @@ class LoadSample:
     per_server: Mapping[str, tuple[int, int]]
 
 
+@dataclass(slots=True)
 class _Load:
-    __slots__ = ("running", "waiting")
-
-    def __init__(self) -> None:
-        self.waiting = 0
-        self.running = 0
+    waiting: int = 0
+    running: int = 0
 
 
 @dataclass(slots=True)
@@ -133,14 +132,6 @@ class _LoopState:
     session: aiohttp.ClientSession
     slots: asyncio.Semaphore
     loads: dict[str, _Load]
-
-
-def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or not value > 0 or not math.isfinite(value):
-        none_hint = " or None for no limit" if allow_none else ""
-        raise ConfigError(f"{name}={value!r} is invalid: pass a positive finite number{none_hint}", key=name)
 
 
 class ServerClient:
@@ -202,11 +193,11 @@ class ServerClient:
         ):
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ConfigError(f"{name}={count!r} is invalid: pass an int >= 0", key=name)
-        _positive("connect_timeout_s", connect_timeout_s)
-        _positive("request_timeout_s", request_timeout_s, allow_none=True)
-        _positive("backoff_base_s", backoff_base_s)
-        _positive("max_backoff_s", max_backoff_s)
-        _positive("keepalive_timeout_s", keepalive_timeout_s)
+        positive("connect_timeout_s", connect_timeout_s)
+        positive("request_timeout_s", request_timeout_s, allow_none=True)
+        positive("backoff_base_s", backoff_base_s)
+        positive("max_backoff_s", max_backoff_s)
+        positive("keepalive_timeout_s", keepalive_timeout_s)
         self._topology = topology
         self._max_connections = max_connections
         self._connect_timeout_s = connect_timeout_s
@@ -214,13 +205,12 @@ class ServerClient:
         self._connect_retries = connect_retries
         self._retry_requests = retry_requests
         self._max_request_retries = max_request_retries
-        self._backoff_base_s = backoff_base_s
-        self._max_backoff_s = max_backoff_s
         self._keepalive_timeout_s = keepalive_timeout_s
         self._tcp_keepalive = (tcp_keepalive_idle_s, tcp_keepalive_interval_s, tcp_keepalive_probes)
-        self._sleep = sleep
+        self.sleep = sleep  #: awaited for every backoff (the engine's resends too)
         self._clock = clock
-        self._rng = rng if rng is not None else random.Random()
+        #: the backoff of the client's retries (the dispatch engine's resends use it too)
+        self.backoff = Backoff(backoff_base_s, max_backoff_s, rng if rng is not None else random.Random())
         self._timeout = self._make_timeout(request_timeout_s)
         self._state = ClientState.UNOPENED
         self._loops: dict[asyncio.AbstractEventLoop, _LoopState] = {}
@@ -324,7 +314,7 @@ class ServerClient:
                 "connect_retries": self._connect_retries,
                 "retry_requests": self._retry_requests,
                 "max_request_retries": self._max_request_retries,
-                "max_backoff_s": self._max_backoff_s,
+                "max_backoff_s": self.backoff.max_s,
                 "tcp_keepalive": f"idle={idle}s,interval={interval}s,probes={probes}",
                 "enable_cleanup_closed": _CLEANUP_CLOSED,
             }
@@ -500,24 +490,6 @@ class ServerClient:
         """Replays of one request whose body may have reached the server, when replaying is allowed."""
         return self._max_request_retries
 
-    def backoff_s(self, retry_index: int, *, cap_s: float | None = None) -> float:
-        """The jittered delay before retry ``retry_index`` (0 for the first): ``backoff_base_s`` doubled per
-        retry, capped by ``max_backoff_s`` (and ``cap_s`` when given), then scaled by a factor in
-        [0.5, 1.0]."""
-        cap = self._max_backoff_s if cap_s is None else min(cap_s, self._max_backoff_s)
-        delay = min(cap, self._backoff_base_s * (2.0**retry_index))
-        return delay * (0.5 + 0.5 * self._rng.random())
-
-    async def sleep(self, seconds: float) -> None:
-        """Sleep with the client's clock (what its own backoffs await; tests inject it)."""
-        await self._sleep(seconds)
-
-    def _backoff_s(self, retry_index: int, retry_after_s: float | None) -> float:
-        if retry_after_s is not None:
-            return min(retry_after_s, self._max_backoff_s)
-        delay = min(self._max_backoff_s, self._backoff_base_s * (2.0**retry_index))
-        return delay * (0.5 + 0.5 * self._rng.random())
-
     async def _request(
         self,
         method: str,
@@ -540,7 +512,7 @@ class ServerClient:
         if timeout_s is None:
             timeout = self._timeout
         else:
-            _positive("timeout_s", timeout_s)
+            positive("timeout_s", timeout_s)
             timeout = self._make_timeout(timeout_s)
         session, slots = st.session, st.slots
         connect_failures = request_retries = 0
@@ -622,17 +594,17 @@ class ServerClient:
                         retry_after_s=retry_after_s,
                     )
                 wait_hint = retry_after_s if status in _RETRY_AFTER_STATUSES else None
-                delay = self._backoff_s(request_retries, wait_hint)
+                delay = self.backoff.delay(request_retries, wait_hint)
                 request_retries += 1
             elif kind == "connect":
                 if connect_failures >= self._connect_retries:
                     raise connection_error(kind, text, attempts, failure, timeout.total) from failure
-                delay = self._backoff_s(connect_failures, None)
+                delay = self.backoff.delay(connect_failures, None)
                 connect_failures += 1
             else:
                 if not (replay and request_retries < self._max_request_retries):
                     raise connection_error(kind, text, attempts, failure, timeout.total) from failure
-                delay = self._backoff_s(request_retries, None)
+                delay = self.backoff.delay(request_retries, None)
                 request_retries += 1
             logger.info(
                 "retrying %s %s in %.3f s after %s",
@@ -643,6 +615,6 @@ class ServerClient:
             )
             load.waiting += 1
             try:
-                await self._sleep(delay)
+                await self.sleep(delay)
             finally:
                 load.waiting -= 1

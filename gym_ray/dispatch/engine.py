@@ -46,7 +46,8 @@ from gym_ray.config.topology import Topology
 from gym_ray.dispatch._completion import CompletionIterator
 from gym_ray.dispatch._http import excerpt_of
 from gym_ray.dispatch.client import ServerClient
-from gym_ray.dispatch.health import ServerHealth, is_infrastructure_failure
+from gym_ray.dispatch.health import ServerHealth
+from gym_ray.dispatch.ladder import RESEND_BACKOFF_CAP_S, Ladder, SendFailed, request_error
 from gym_ray.dispatch.outcomes import (
     CompletedRollout,
     RolloutFailureRecord,
@@ -56,7 +57,7 @@ from gym_ray.dispatch.outcomes import (
     is_expected_failure,
     is_materialized_row,
 )
-from gym_ray.errors import InputError, ServerConnectionError, ServerHTTPError, ServerResponseError
+from gym_ray.errors import InputError, ServerHTTPError, ServerResponseError
 
 if TYPE_CHECKING:
     from gym_ray.observe.tracing import Tracer
@@ -86,38 +87,6 @@ DRAIN_MARGIN_MIN_SAMPLES = 5
 INTERLEAVE_WINDOW = 4096
 #: Resends of one row after infrastructure failures of a server that still looked up (default).
 DEFAULT_MAX_INFRA_RETRIES = 10
-#: Longest wait between two sends of one row's ``/run`` (the client's doubling backoff, capped lower).
-RESEND_BACKOFF_CAP_S = 2.0
-
-
-@dataclass(slots=True)
-class _Ladder:
-    """One row's sends of ``/run`` in this dispatch (the engine's retry ladder, counted once)."""
-
-    errors: list[str]  # what each request the server may have seen met, in order
-    infra: int = 0  # infrastructure resends spent
-    replays: int = 0  # replays after a timeout of a server that still answered its probe
-
-    @property
-    def resends(self) -> int:
-        return self.infra + self.replays
-
-
-@dataclass(frozen=True, slots=True)
-class _SendFailed:
-    """What ``_attempt`` returns on the ladder when a send failed in an expected way (decided outside
-    the semaphore: the decision may probe the server)."""
-
-    exc: Exception
-
-
-def _request_error(exc: Exception) -> str | None:
-    """What a failed send met, as the failure record lists it; None when nothing was sent (no connection)."""
-    if isinstance(exc, ServerConnectionError):
-        return None if exc.kind == "connect" else (exc.kind or "broken")
-    if isinstance(exc, ServerHTTPError):
-        return f"http_{exc.status}"
-    return "bad_reply"
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,43 +326,24 @@ class _Dispatcher:
             out: tuple[Row, Any] = await self._attempt(row, None)
             return out
         server, url, _ = self.server_of(row)
-        ladder = _Ladder([])
+        ladder = Ladder(self.client.max_request_retries)
         while True:
             await health.admit(url, server)
             slot = self.semaphore if self.semaphore is not None else contextlib.nullcontext()
             async with slot:
                 out = await self._attempt(row, ladder)
-            if not isinstance(out, _SendFailed):
+            if not isinstance(out, SendFailed):
                 return out
             exc = out.exc
-            if not await self._resend(exc, url, server, ladder):
+            if not await ladder.resend(exc, url, server, health, self.retry_requests, self.max_infra_retries):
                 return await self._failed(row, exc, server, ladder)
             if not (isinstance(exc, ServerHTTPError) and exc.retry_after_s is not None):
                 # (a Retry-After pauses the server's admission instead)
-                await self.client.sleep(self.client.backoff_s(ladder.resends - 1, cap_s=RESEND_BACKOFF_CAP_S))
+                await self.client.sleep(
+                    self.client.backoff.delay(ladder.resends - 1, cap_s=RESEND_BACKOFF_CAP_S)
+                )
 
-    async def _resend(self, exc: Exception, url: str, server: str, ladder: _Ladder) -> bool:
-        """Whether a row whose send failed with ``exc`` goes again (the ladder's budgets counted here)."""
-        health = self.health
-        assert health is not None
-        timed_out = isinstance(exc, ServerConnectionError) and exc.kind == "timeout"
-        if timed_out and self.retry_requests and await health.answers_probe(url):
-            health.answered(url)  # alive: the timeout is this rollout's
-            if ladder.replays < self.client.max_request_retries:
-                ladder.replays += 1
-                return True
-            return False
-        if is_infrastructure_failure(exc, replay=self.retry_requests):
-            health.failed(url, server, exc)
-            if ladder.infra < self.max_infra_retries:
-                ladder.infra += 1
-                return True
-            return False
-        if isinstance(exc, ServerHTTPError | ServerResponseError):
-            health.answered(url)
-        return False
-
-    async def _attempt(self, row: Row, ladder: _Ladder | None) -> Any:
+    async def _attempt(self, row: Row, ladder: Ladder | None) -> Any:
         server, url, impl = self.server_of(row)
         if self.deadline is not None:
             remaining = self.deadline - self.clock()
@@ -422,10 +372,10 @@ class _Dispatcher:
                 raise
             if ladder is None:
                 return await self._failed(row, exc, server)
-            kind = _request_error(exc)
+            kind = request_error(exc)
             if kind is not None:
                 ladder.errors.append(kind)
-            return _SendFailed(exc)
+            return SendFailed(exc)
         elapsed = time.perf_counter() - started
         if self.health is not None:
             self.health.answered(url)
@@ -465,7 +415,7 @@ class _Dispatcher:
         return row, build_record(row, result, environment_server=server, result_type=impl)
 
     async def _failed(
-        self, row: Row, exc: Exception, server: str, ladder: _Ladder | None = None
+        self, row: Row, exc: Exception, server: str, ladder: Ladder | None = None
     ) -> tuple[Row, Any]:
         self.failed += 1
         sends: dict[str, Any] = {}

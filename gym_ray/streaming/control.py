@@ -131,28 +131,41 @@ class StreamControls:
             await self._broadcast("set_policy_version", version)
             self._notify()
 
-    async def pause(self: _Host, mode: Literal["drain", "abort"] = "drain") -> None:
+    async def pause(
+        self: _Host, mode: Literal["drain", "abort"] = "drain", *, timeout_s: float | None = None
+    ) -> int:
         """Stop admission on every worker; returns once none admits (for a weight sync).
 
         ``drain`` then waits until every in-flight rollout has finished (their outcomes are still
-        delivered); ``abort`` cancels them (the servers see their handlers cancelled) and puts their rows
-        back at the head of their worker's queue, to run again first after :meth:`resume`. Finished
-        outcomes can still be taken while paused. Idempotent (a second call still drains or aborts).
+        delivered); with ``timeout_s``, the rollouts still running after that many seconds are aborted.
+        ``abort`` cancels them at once (the servers see their handlers cancelled) and puts their rows back
+        at the head of their worker's queue, to run again first after :meth:`resume`. Finished outcomes
+        can still be taken while paused. Idempotent (a second call still drains or aborts).
+
+        Returns:
+            The rollouts aborted by this call (also counted in ``stats().aborted``).
 
         Raises:
-            UsageError: A mode other than ``"drain"`` / ``"abort"``, or the stream is closed.
+            UsageError: A mode other than ``"drain"`` / ``"abort"``, a ``timeout_s`` that is not > 0 or is
+                given with ``"abort"``, or the stream is closed.
         """
         if mode not in ("drain", "abort"):
             raise UsageError(f"pause(mode={mode!r}): mode must be 'drain' or 'abort'")
-        if self._state in ("closing", "closed"):
-            raise UsageError("pause: this stream is closed")
+        if timeout_s is not None:
+            if mode != "drain":
+                raise UsageError("pause(timeout_s=...): a deadline is for mode='drain' (abort does not wait)")
+            if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
+                raise UsageError(f"pause(timeout_s={timeout_s!r}): must be > 0 seconds, or None")
+        self._check_open("pause")
         if self._state == "new":
             await self.start()
         async with self._control_lock:
             self._paused = True
             self._meter.pause()
-            results = await self._broadcast("pause", mode == "abort")
-            self._meter.count("aborted", sum(r for r in results if isinstance(r, int)))
+            results = await self._broadcast("pause", mode == "abort", timeout_s)
+            aborted = sum(r for r in results if isinstance(r, int))
+            self._meter.count("aborted", aborted)
+            return aborted
 
     async def resume(self: _Host) -> None:
         """Restart admission on every worker (under the current policy version). No-op when not paused.

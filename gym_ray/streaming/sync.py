@@ -11,9 +11,9 @@ Concurrency: one thread at a time; not for use from inside a running event loop 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Coroutine, Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from gym_ray.errors import UsageError
 from gym_ray.streaming.api import stream
@@ -21,6 +21,8 @@ from gym_ray.streaming.groups import Item, RolloutGroup
 from gym_ray.streaming.stream import RolloutStream, StreamStats
 
 __all__ = ["SyncRolloutStream", "stream_sync"]
+
+T = TypeVar("T")
 
 
 class SyncRolloutStream:
@@ -39,7 +41,15 @@ class SyncRolloutStream:
     def __iter__(self) -> Iterator[Item | RolloutGroup]:
         return self
 
+    def _run(self, call: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            call.close()
+            raise UsageError("this stream is closed")
+        return self._runner.run(call)
+
     def __next__(self) -> Item | RolloutGroup:
+        if self._closed:
+            raise StopIteration
         try:
             return self._runner.run(self._inner.__anext__())
         except StopAsyncIteration:
@@ -53,17 +63,34 @@ class SyncRolloutStream:
         """See :meth:`RolloutStream.stats`."""
         return self._inner.stats()
 
+    @property
+    def policy_version(self) -> int:
+        """See :attr:`RolloutStream.policy_version`."""
+        return self._inner.policy_version
+
+    def start(self) -> None:
+        """See :meth:`RolloutStream.start` (the first call that needs the workers starts them anyway)."""
+        self._run(self._inner.start())
+
+    def worker_pids(self) -> list[int]:
+        """See :meth:`RolloutStream.worker_pids`."""
+        return self._run(self._inner.worker_pids())
+
+    def worker_stats(self) -> list[Any]:
+        """See :meth:`RolloutStream.worker_stats`."""
+        return self._run(self._inner.worker_stats())
+
     def set_policy_version(self, version: int) -> None:
         """See :meth:`RolloutStream.set_policy_version`."""
-        self._runner.run(self._inner.set_policy_version(version))
+        self._run(self._inner.set_policy_version(version))
 
-    def pause(self, mode: Literal["drain", "abort"] = "drain") -> None:
+    def pause(self, mode: Literal["drain", "abort"] = "drain", *, timeout_s: float | None = None) -> int:
         """See :meth:`RolloutStream.pause`."""
-        self._runner.run(self._inner.pause(mode))
+        return self._run(self._inner.pause(mode, timeout_s=timeout_s))
 
     def resume(self) -> None:
         """See :meth:`RolloutStream.resume`."""
-        self._runner.run(self._inner.resume())
+        self._run(self._inner.resume())
 
     def next_batch(
         self,
@@ -75,11 +102,13 @@ class SyncRolloutStream:
     ) -> list[Any]:
         """See :meth:`RolloutStream.next_batch`; an error closes the stream."""
         try:
-            return self._runner.run(
+            return self._run(
                 self._inner.next_batch(
                     n_groups, timeout_s=timeout_s, oversample=oversample, carry_over=carry_over
                 )
             )
+        except UsageError:
+            raise
         except BaseException:
             self.close()
             raise

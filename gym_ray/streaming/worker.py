@@ -258,18 +258,25 @@ class StreamWorker:
         """Stamp ``version`` on every row admitted from now on."""
         self._version = version
 
-    async def pause(self, abort: bool) -> int:
+    async def pause(self, abort: bool, drain_timeout_s: float | None = None) -> int:
         """Stop admission; then wait for the running rows to finish, or cancel them (``abort``).
 
-        Aborted rows go back to the head of the inbox in seq order and give their credits back; their
-        outcomes are never produced. Returns the number of rows aborted (0 without ``abort``).
+        ``drain_timeout_s`` (drain only): cancel the rows still running after this many seconds, as an
+        abort does. Aborted rows go back to the head of the inbox in seq order and give their credits back;
+        their outcomes are never produced. Returns the number of rows aborted.
         """
         self._paused = True
         self._notify()
         if not abort:
-            while self._running and not self._stop.is_set() and not self._ended.is_set():
-                await self._wait_change()
-            return 0
+            deadline = asyncio.timeout(drain_timeout_s)
+            try:
+                async with deadline:
+                    while self._running and not self._stop.is_set() and not self._ended.is_set():
+                        await self._wait_change()
+                return 0
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
         aborted = sorted((seq, row) for seq, (_, row) in self._running.items())
         await self._cancel_running([seq for seq, _ in aborted])
         self._inbox.extendleft(reversed(aborted))

@@ -15,8 +15,9 @@ import pytest
 from gym_ray import keys
 from gym_ray.config.topology import Topology
 from gym_ray.dispatch.client import ServerClient
-from gym_ray.dispatch.engine import RESEND_BACKOFF_CAP_S, dispatch
+from gym_ray.dispatch.engine import dispatch
 from gym_ray.dispatch.health import ServerHealth
+from gym_ray.dispatch.ladder import RESEND_BACKOFF_CAP_S
 from gym_ray.dispatch.outcomes import CompletedRollout, RolloutFailureRecord
 from gym_ray.servers import serve_config
 from tests.dispatch.test_dispatch import make_config, row
@@ -108,5 +109,5 @@ async def test_an_answered_error_is_not_resent_and_counts_one_request() -> None:
 def test_resend_backoff_doubles_and_stays_under_its_cap(index: int) -> None:
     client = ServerClient(backoff_base_s=0.5)
     expected_top = min(RESEND_BACKOFF_CAP_S, 0.5 * 2**index)
-    delays = [client.backoff_s(index, cap_s=RESEND_BACKOFF_CAP_S) for _ in range(200)]
+    delays = [client.backoff.delay(index, cap_s=RESEND_BACKOFF_CAP_S) for _ in range(200)]
     assert all(expected_top / 2 <= d <= expected_top for d in delays)

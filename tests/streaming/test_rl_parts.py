@@ -176,3 +176,25 @@ async def test_bad_control_calls_are_usage_errors() -> None:
         with pytest.raises(UsageError, match=match):
             await call
     assert rollouts.policy_version == 2
+
+
+def test_the_sync_stream_mirrors_every_public_member_of_the_async_stream() -> None:
+    import inspect
+
+    from gym_ray.streaming.stream import RolloutStream
+    from gym_ray.streaming.sync import SyncRolloutStream
+
+    def public(cls: type) -> dict[str, list[str]]:
+        out = {}
+        for name, member in inspect.getmembers(cls):
+            if name.startswith("_"):
+                continue
+            if isinstance(member, property):
+                out[name] = ["property"]
+            else:
+                out[name] = [p for p in inspect.signature(member).parameters if p != "self"]
+        return out
+
+    renamed = {"aclose": "close", "aclose_and_drain": "close_and_drain"}
+    expected = {renamed.get(name, name): params for name, params in public(RolloutStream).items()}
+    assert public(SyncRolloutStream) == expected

@@ -303,6 +303,27 @@ async def test_next_batch_timeout_returns_what_is_complete_and_the_stream_goes_o
         )
 
 
+async def test_pause_drain_with_a_deadline_aborts_what_is_left_and_counts_it(ray_session: Any) -> None:
+    rows = [_row(i) for i in range(6)]
+    async with serve_config(_config(fast_ms=60_000)) as servers:
+        async with stream(rows, config=servers.config, num_workers=2, max_in_flight=4) as rollouts:
+            await _until(lambda: servers.stats("fast_env").in_flight == 4, "4 handlers running")
+            started = asyncio.get_running_loop().time()
+            aborted = await rollouts.pause("drain", timeout_s=1.0)
+            waited = asyncio.get_running_loop().time() - started
+            assert aborted == 4
+            assert rollouts.stats().aborted == 4
+            await _until(lambda: servers.stats("fast_env").cancelled == 4, "the 4 handlers cancelled")
+            assert servers.stats("fast_env").in_flight == 0
+            await _set_latency(servers, "fast_env", 0.0)
+            await rollouts.resume()
+            items = [item async for item in rollouts]
+        counts = servers.stats("fast_env").request_counts
+    assert 1.0 <= waited < 10.0  # the deadline, plus the cancellation round trip to the workers
+    assert sorted(_key(item) for item in items) == [(t, 0) for t in range(6)]  # type: ignore[arg-type]
+    assert sum(counts.values()) == 6 + 4  # each aborted row ran once more, nothing else twice
+
+
 async def test_a_next_batch_cancelled_by_wait_for_leaves_the_stream_usable(ray_session: Any) -> None:
     # 3 fast groups complete, 1 slow one runs: next_batch(4) takes the 3, waits for the 4th and is cancelled
     # by wait_for. The 3 go back to the buffer; the next call delivers them, and nothing is closed.
