@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from gym_ray.run.collect import acollect_local
     from gym_ray.run.result import RunResult
     from gym_ray.streaming.api import stream
-    from gym_ray.streaming.filters import drop_uniform_reward
+    from gym_ray.streaming.filters import drop_failed, drop_uniform_reward
     from gym_ray.streaming.groups import RolloutGroup
     from gym_ray.streaming.row_feed import RowFeed
     from gym_ray.streaming.stream import RolloutStream
@@ -71,6 +71,7 @@ _LAZY: dict[str, str] = {
     "acollect_local": "gym_ray.run.collect",
     "check_run": "gym_ray.record.ledger",
     "collect": "gym_ray.distributed.api",
+    "drop_failed": "gym_ray.streaming.filters",
     "drop_uniform_reward": "gym_ray.streaming.filters",
     "load_config": "gym_ray.config.settings",
     "load_jsonl": "gym_ray.plan.load",
@@ -125,6 +126,7 @@ __all__ = [
     "acollect_local",
     "check_run",
     "collect",
+    "drop_failed",
     "drop_uniform_reward",
     "load_config",
     "load_jsonl",

@@ -37,6 +37,7 @@ def stream(
     group_filter: GroupFilter | Sequence[GroupFilter] | None = None,
     max_groups_in_flight: int | None = None,
     health_check: bool = True,
+    max_rollout_attempts: int = 1,
 ) -> RolloutStream:
     """Stream rollouts of ``rows`` from Ray worker actors, in completion order, with backpressure.
 
@@ -84,6 +85,11 @@ def stream(
         health_check: Before Ray starts, probe every environment server of the config (``GET /``) and
             raise at once when one is unreachable or answers 5xx (False: rows to a server that is down
             wait for it, up to 300 s, then the stream raises ``ServerOutageError``).
+        max_rollout_attempts: Data retries: a rollout the server answered with a failure (not terminal)
+            runs again, with the next ``_ng_attempt_index``, until it succeeds or has run this many times;
+            only then is its failure record delivered (default 1: delivered at once). Retries are counted
+            in ``stats().retried``; pair it with :func:`gym_ray.drop_failed` to never deliver a group
+            holding a failure.
 
     Returns:
         The stream; nothing starts until ``async with``, :meth:`RolloutStream.start` or the first item.
@@ -114,4 +120,5 @@ def stream(
         group_filter=group_filter,
         max_groups_in_flight=max_groups_in_flight,
         health_check=health_check,
+        max_rollout_attempts=max_rollout_attempts,
     )

@@ -32,6 +32,7 @@ STREAM_OPTION_FOR: dict[str, str] = {
     "retry_requests": "retry_requests",
     "num_workers": "num_workers",
     "input_jsonl_fpath": "rows",
+    "max_rollout_attempts": "max_rollout_attempts",
 }
 
 

@@ -97,6 +97,7 @@ class StreamControls:
             paused_s=meter.paused_total_s(),
             aborted=meter.aborted,
             stale=meter.stale,
+            retried=meter.retried,
             filtered=dict(meter.filtered),
             carried_over=meter.carried_over,
             cancelled=meter.cancelled,

@@ -50,6 +50,8 @@ class Delivery:
         on_stale: Called with each stale ``(row, outcome)`` before the row is queued again.
         group_filter: One filter or a sequence of them (each ``(group) -> bool``).
         meter: Where drops, staleness and latencies are counted.
+        max_rollout_attempts: Attempts of a rollout the server answered with a (non-terminal) failure
+            before its failure record is delivered; each retry runs with the next ``_ng_attempt_index``.
     """
 
     def __init__(
@@ -60,8 +62,10 @@ class Delivery:
         on_stale: StaleCallback | None,
         group_filter: GroupFilter | Sequence[GroupFilter] | None,
         meter: StepMeter,
+        max_rollout_attempts: int = 1,
     ) -> None:
         self.width = group_size or 1
+        self.max_rollout_attempts = max_rollout_attempts
         self.max_staleness = max_staleness
         self.on_stale = on_stale
         if group_filter is None:
@@ -106,11 +110,20 @@ class Delivery:
         self.open += self.width
 
     def accept(self, seq: int, row: Row, outcome: Outcome, version: int, current: int) -> SeqRow | None:
-        """Take one finished rollout; returns ``(seq, row)`` to queue again when it is already stale.
+        """Take one finished rollout; returns ``(seq, row)`` to queue again when it is already stale, or
+        when it is a failure with attempts left (``max_rollout_attempts``; the row then carries the next
+        attempt index).
 
         Raises:
             UsageError: A group filter returned something other than a bool.
         """
+        if isinstance(outcome, RolloutFailureRecord) and not outcome.terminal:
+            attempt = int(row.get(keys.ATTEMPT_INDEX) or 0) + 1
+            if attempt < self.max_rollout_attempts:
+                self.meter.count("retried")
+                retry = {k: v for k, v in row.items() if k != keys.POLICY_VERSION}
+                retry[keys.ATTEMPT_INDEX] = attempt
+                return seq, retry
         row[keys.POLICY_VERSION] = version
         if isinstance(outcome, dict):
             outcome[keys.POLICY_VERSION] = version

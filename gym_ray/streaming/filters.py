@@ -6,7 +6,9 @@ recorded, its place goes to the next prompt of the input (so a batch still fills
 ``stats().filtered`` counts drops by reason: the name of the first filter that returned False.
 
 :func:`drop_uniform_reward` is the built-in: a group whose rollouts all have the same reward has zero
-advantage under group-relative baselines (GRPO, DAPO) and teaches nothing.
+advantage under group-relative baselines (GRPO, DAPO) and teaches nothing. :func:`drop_failed` drops a
+group holding a failure record (its ``rewards`` entry is None), as NeMo RL and slime leave failed samples
+out of a batch.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable, Sequence
 from gym_ray.errors import UsageError
 from gym_ray.streaming.groups import RolloutGroup
 
-__all__ = ["GroupFilter", "drop_uniform_reward", "filter_names", "filter_verdict"]
+__all__ = ["GroupFilter", "drop_failed", "drop_uniform_reward", "filter_names", "filter_verdict"]
 
 #: ``(group) -> bool``: True keeps the group.
 GroupFilter = Callable[[RolloutGroup], bool]
@@ -29,6 +31,15 @@ def drop_uniform_reward(group: RolloutGroup) -> bool:
         False (drop) when all rewards are equal, so a one-rollout group is always dropped; else True.
     """
     return len(set(group.rewards)) > 1
+
+
+def drop_failed(group: RolloutGroup) -> bool:
+    """Keep a group only when none of its rollouts is a failure record.
+
+    Returns:
+        False (drop) when any outcome is a :class:`~gym_ray.dispatch.outcomes.RolloutFailureRecord`.
+    """
+    return not group.failures
 
 
 def filter_names(filters: Sequence[GroupFilter]) -> list[str]:

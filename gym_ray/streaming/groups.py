@@ -11,9 +11,11 @@ when its staleness exceeds ``k``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gym_ray import keys
+from gym_ray.dispatch.outcomes import RolloutFailureRecord
 from gym_ray.streaming.worker import Outcome
 
 __all__ = ["Item", "RolloutGroup", "Row", "is_stale", "version_of"]
@@ -63,3 +65,26 @@ class RolloutGroup(list[Item]):
                 float(reward) if isinstance(reward, int | float) and not isinstance(reward, bool) else None
             )
         return out
+
+    @property
+    def failures(self) -> list[RolloutFailureRecord]:
+        """The failure records among the group's outcomes, in rollout order (empty when none failed)."""
+        return [outcome for _, outcome in self if isinstance(outcome, RolloutFailureRecord)]
+
+    def advantages(self, *, normalize: bool = False, eps: float = 1e-6) -> list[float | None]:
+        """Group-relative advantages: each reward minus the mean reward of the group (GRPO's baseline).
+
+        Rollouts without a reward (failure records, results without ``reward``) are left out of the mean
+        and get None, so the caller sees which ones had no advantage. ``normalize=True`` also divides by
+        the population standard deviation of those rewards plus ``eps``, as GRPO does. A group with no
+        reward at all gives all None.
+        """
+        rewards = self.rewards
+        known = [r for r in rewards if r is not None]
+        if not known:
+            return [None] * len(rewards)
+        mean = sum(known) / len(known)
+        scale = 1.0
+        if normalize:
+            scale = math.sqrt(sum((r - mean) ** 2 for r in known) / len(known)) + eps
+        return [None if r is None else (r - mean) / scale for r in rewards]

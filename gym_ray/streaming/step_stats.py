@@ -44,6 +44,7 @@ class StreamStats:
         aborted: Rollouts whose ``/run`` was cancelled by ``pause(mode="abort")`` (each runs again).
         stale: Rollouts not delivered because they were more than ``max_staleness`` versions old (each
             runs again under the current version).
+        retried: Rollouts the server answered with a failure that ran again (``max_rollout_attempts``).
         filtered: Groups dropped by a group filter, by the filter's name.
         carried_over: Groups still running at the end of a ``next_batch(carry_over=True)`` (summed over
             batches; a group running through two batch ends counts twice).
@@ -66,6 +67,7 @@ class StreamStats:
     paused_s: float = 0.0
     aborted: int = 0
     stale: int = 0
+    retried: int = 0
     filtered: dict[str, int] = field(default_factory=dict)
     carried_over: int = 0
     cancelled: int = 0
@@ -93,7 +95,7 @@ class StepMeter:
         self.started = clock()
         self.paused_since: float | None = None
         self.paused_s = 0.0
-        self.aborted = self.stale = self.carried_over = self.cancelled = 0
+        self.aborted = self.stale = self.retried = self.carried_over = self.cancelled = 0
         self.filtered: Counter[str] = Counter()
         self.staleness: Counter[int] = Counter()
         self._latency: dict[str, tuple[int, float]] = {}
@@ -104,6 +106,7 @@ class StepMeter:
                 ("delivered", "rollouts delivered"),
                 ("aborted", "rollouts aborted by pause(mode='abort')"),
                 ("stale", "rollouts re-run because they exceeded max_staleness"),
+                ("retried", "failed rollouts re-run under max_rollout_attempts"),
                 ("filtered", "groups dropped by a group filter, by reason"),
                 ("carried_over", "groups running at a batch end that carried over"),
                 ("cancelled", "groups cancelled at a batch end"),
@@ -118,7 +121,7 @@ class StepMeter:
         )
 
     def count(self, name: str, n: int = 1, *, reason: str | None = None) -> None:
-        """Add ``n`` to ``aborted`` / ``stale`` / ``carried_over`` / ``cancelled``, or to
+        """Add ``n`` to ``aborted`` / ``stale`` / ``retried`` / ``carried_over`` / ``cancelled``, or to
         ``filtered[reason]``."""
         if n <= 0:
             return

@@ -141,6 +141,7 @@ class RolloutStream(StreamControls):
         group_filter: GroupFilter | Sequence[GroupFilter] | None = None,
         max_groups_in_flight: int | None = None,
         health_check: bool = True,
+        max_rollout_attempts: int = 1,
     ) -> None:
         for name, value, low in (
             ("num_workers", num_workers, 1),
@@ -150,6 +151,7 @@ class RolloutStream(StreamControls):
             ("policy_version", policy_version, 0),
             ("max_staleness", max_staleness, 0),
             ("max_groups_in_flight", max_groups_in_flight, 1),
+            ("max_rollout_attempts", max_rollout_attempts, 1),
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise UsageError(f"stream: {name}={value!r} must be an int >= {low}")
@@ -192,6 +194,7 @@ class RolloutStream(StreamControls):
             on_stale=on_stale,
             group_filter=group_filter,
             meter=self._meter,
+            max_rollout_attempts=max_rollout_attempts,
         )
         self._version = policy_version
         self._paused = False

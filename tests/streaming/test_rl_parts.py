@@ -198,3 +198,53 @@ def test_the_sync_stream_mirrors_every_public_member_of_the_async_stream() -> No
     renamed = {"aclose": "close", "aclose_and_drain": "close_and_drain"}
     expected = {renamed.get(name, name): params for name, params in public(RolloutStream).items()}
     assert public(SyncRolloutStream) == expected
+
+
+@pytest.mark.parametrize(
+    ("rewards", "keep"),
+    [
+        pytest.param([1.0, 0.0], True, id="no-failure"),
+        pytest.param([1.0, None], False, id="one-failure"),
+        pytest.param([None, None], False, id="all-failed"),
+    ],
+)
+def test_drop_failed(rewards: list[float | None], keep: bool) -> None:
+    group = RolloutGroup(_item(0, i, 0, r) for i, r in enumerate(rewards))
+    assert gym_ray.drop_failed(group) is keep
+    assert len(group.failures) == rewards.count(None)
+
+
+def test_group_advantages_are_mean_centred_and_leave_failures_out() -> None:
+    group = RolloutGroup(
+        [_item(0, 0, 0, 1.0), _item(0, 1, 0, None), _item(0, 2, 0, 0.0), _item(0, 3, 0, 0.5)]
+    )
+    assert group.advantages() == [0.5, None, -0.5, 0.0]
+    # population std of (1, 0, 0.5) is sqrt(1/6)
+    normalized = group.advantages(normalize=True, eps=0.0)
+    assert normalized[1] is None
+    assert [round(a, 12) for a in normalized if a is not None] == [
+        round(0.5 / (1 / 6) ** 0.5, 12),
+        round(-0.5 / (1 / 6) ** 0.5, 12),
+        0.0,
+    ]
+    assert RolloutGroup([_item(0, 0, 0, 1.0), _item(0, 1, 0, 1.0)]).advantages(normalize=True) == [0.0, 0.0]
+    assert RolloutGroup([_item(0, 0, 0, None)]).advantages() == [None]
+
+
+def test_a_failed_rollout_runs_again_with_the_next_attempt_until_max_rollout_attempts() -> None:
+    delivery, meter = _delivery(max_rollout_attempts=3)
+    delivery.opened(0)
+    row, failure = _item(0, 0, 0, None)
+    del row[keys.POLICY_VERSION]
+    again = delivery.accept(0, dict(row), failure, 0, 0)
+    assert again == (0, {keys.TASK_INDEX: 0, keys.ROLLOUT_INDEX: 0, keys.ATTEMPT_INDEX: 1})
+    again = delivery.accept(0, again[1], failure, 0, 0)
+    assert again == (0, {keys.TASK_INDEX: 0, keys.ROLLOUT_INDEX: 0, keys.ATTEMPT_INDEX: 2})
+    assert delivery.accept(0, again[1], failure, 0, 0) is None  # the third attempt's record is kept
+    assert delivery.accept(1, *_item(0, 1, 0, 1.0), 0, 0) is None
+    assert (meter.retried, delivery.buffered, delivery.open) == (2, 2, 0)
+    # a terminal failure is delivered at once
+    terminal = RolloutFailureRecord(failure_class="environment_server_failed", message="no", terminal=True)
+    delivery.opened(1)
+    assert delivery.accept(2, {keys.TASK_INDEX: 1, keys.ROLLOUT_INDEX: 0}, terminal, 0, 0) is None
+    assert meter.retried == 2
