@@ -38,6 +38,7 @@ def stream(
     max_groups_in_flight: int | None = None,
     health_check: bool = True,
     max_rollout_attempts: int = 1,
+    one_version_groups: bool = False,
 ) -> RolloutStream:
     """Stream rollouts of ``rows`` from Ray worker actors, in completion order, with backpressure.
 
@@ -90,6 +91,11 @@ def stream(
             only then is its failure record delivered (default 1: delivered at once). Retries are counted
             in ``stats().retried``; pair it with :func:`gym_ray.drop_failed` to never deliver a group
             holding a failure.
+        one_version_groups: Every delivered group ran under one policy version (GRPO's advantage assumes
+            one policy per group): when a group completes with mixed versions (a member aborted by
+            ``pause("abort")`` re-ran under the new version, or a member went stale), the members older
+            than the newest run again under the current version; their discarded results count in
+            ``stats().stale``. Off by default: turn it on for group-relative methods with aborts.
 
     Returns:
         The stream; nothing starts until ``async with``, :meth:`RolloutStream.start` or the first item.
@@ -121,4 +127,5 @@ def stream(
         max_groups_in_flight=max_groups_in_flight,
         health_check=health_check,
         max_rollout_attempts=max_rollout_attempts,
+        one_version_groups=one_version_groups,
     )

@@ -52,6 +52,9 @@ class Delivery:
         meter: Where drops, staleness and latencies are counted.
         max_rollout_attempts: Attempts of a rollout the server answered with a (non-terminal) failure
             before its failure record is delivered; each retry runs with the next ``_ng_attempt_index``.
+        one_version_groups: Deliver only groups whose rollouts all ran under one policy version: when a
+            group completes with mixed versions, its members older than the newest run again (counted as
+            stale, shown to ``on_stale``) under the current version.
     """
 
     def __init__(
@@ -63,9 +66,11 @@ class Delivery:
         group_filter: GroupFilter | Sequence[GroupFilter] | None,
         meter: StepMeter,
         max_rollout_attempts: int = 1,
+        one_version_groups: bool = False,
     ) -> None:
         self.width = group_size or 1
         self.max_rollout_attempts = max_rollout_attempts
+        self.one_version_groups = one_version_groups
         self.max_staleness = max_staleness
         self.on_stale = on_stale
         if group_filter is None:
@@ -109,10 +114,11 @@ class Delivery:
         self.running.add(gid)
         self.open += self.width
 
-    def accept(self, seq: int, row: Row, outcome: Outcome, version: int, current: int) -> SeqRow | None:
-        """Take one finished rollout; returns ``(seq, row)`` to queue again when it is already stale, or
-        when it is a failure with attempts left (``max_rollout_attempts``; the row then carries the next
-        attempt index).
+    def accept(self, seq: int, row: Row, outcome: Outcome, version: int, current: int) -> list[SeqRow]:
+        """Take one finished rollout; returns the ``(seq, row)`` pairs to queue again: this one when it is
+        already stale or a failure with attempts left (``max_rollout_attempts``; the row then carries the
+        next attempt index), or, with ``one_version_groups``, the members of the group it completes that
+        ran under an older version than the group's newest.
 
         Raises:
             UsageError: A group filter returned something other than a bool.
@@ -123,15 +129,20 @@ class Delivery:
                 self.meter.count("retried")
                 retry = {k: v for k, v in row.items() if k != keys.POLICY_VERSION}
                 retry[keys.ATTEMPT_INDEX] = attempt
-                return seq, retry
+                return [(seq, retry)]
         row[keys.POLICY_VERSION] = version
         if isinstance(outcome, dict):
             outcome[keys.POLICY_VERSION] = version
         if is_stale(version, current, self.max_staleness):
-            return self._stale(seq, row, outcome)
+            return [self._stale(seq, row, outcome)]
         gid, index = divmod(seq, self.width)
         members = self.partial.setdefault(gid, {})
         members[index] = (row, outcome)
+        if len(members) == self.width and self.one_version_groups:
+            newest = max(version_of(item) for item in members.values())
+            older = [i for i, item in members.items() if version_of(item) < newest]
+            if older:  # run these again under the current version; the group waits for them
+                return [self._stale(gid * self.width + i, *members.pop(i)) for i in sorted(older)]
         if len(members) == self.width:
             del self.partial[gid]
             self.running.discard(gid)
@@ -143,7 +154,7 @@ class Delivery:
                 self.buffered += self.width
             else:
                 self.meter.count("filtered", reason=reason)
-        return None
+        return []
 
     def take(self, current: int) -> tuple[Ready | None, list[SeqRow]]:
         """The next complete ``(group id, group)`` if none of its rollouts is stale; else ``(None, rows to

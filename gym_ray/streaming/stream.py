@@ -142,6 +142,7 @@ class RolloutStream(StreamControls):
         max_groups_in_flight: int | None = None,
         health_check: bool = True,
         max_rollout_attempts: int = 1,
+        one_version_groups: bool = False,
     ) -> None:
         for name, value, low in (
             ("num_workers", num_workers, 1),
@@ -161,7 +162,9 @@ class RolloutStream(StreamControls):
             raise UsageError("stream: resume=True needs record_dir=<the run folder to resume>")
         if group_filter is not None and group_size is None:
             raise UsageError("stream: group_filter needs group_size (a filter judges a task's whole group)")
-        if on_stale is not None and max_staleness is None:
+        if one_version_groups and group_size is None:
+            raise UsageError("stream: one_version_groups needs group_size (it is about a task's group)")
+        if on_stale is not None and max_staleness is None and not one_version_groups:
             raise UsageError("stream: on_stale needs max_staleness=<versions a rollout may lag behind>")
         self._rows = rows
         self._config = config
@@ -195,6 +198,7 @@ class RolloutStream(StreamControls):
             group_filter=group_filter,
             meter=self._meter,
             max_rollout_attempts=max_rollout_attempts,
+            one_version_groups=one_version_groups,
         )
         self._version = policy_version
         self._paused = False
@@ -563,9 +567,7 @@ class RolloutStream(StreamControls):
             row = slot.assigned.pop(seq, None)
             if row is None:
                 continue  # cancelled, or not this worker's any more
-            again = self._delivery.accept(seq, row, outcome, version, self._version)
-            if again is not None:
-                requeue.append(again)
+            requeue.extend(self._delivery.accept(seq, row, outcome, version, self._version))
         requeue.sort(key=lambda pair: pair[0])
         self._queue.extendleft(reversed(requeue))
         self._notify()

@@ -72,7 +72,7 @@ def test_delivery_counts_filtered_groups_by_filter_name_and_refuses_a_non_bool_v
         delivery.opened(gid)
         for index, reward in enumerate(rewards):
             row, outcome = _item(gid, index, 0, reward)
-            assert delivery.accept(2 * gid + index, row, outcome, 0, 0) is None
+            assert delivery.accept(2 * gid + index, row, outcome, 0, 0) == []
     assert (delivery.open, delivery.buffered, dict(meter.filtered)) == (0, 2, {"drop_uniform_reward": 2})
     entry, requeue = delivery.take(0)
     assert entry is not None
@@ -236,15 +236,43 @@ def test_a_failed_rollout_runs_again_with_the_next_attempt_until_max_rollout_att
     delivery.opened(0)
     row, failure = _item(0, 0, 0, None)
     del row[keys.POLICY_VERSION]
-    again = delivery.accept(0, dict(row), failure, 0, 0)
+    [again] = delivery.accept(0, dict(row), failure, 0, 0)
     assert again == (0, {keys.TASK_INDEX: 0, keys.ROLLOUT_INDEX: 0, keys.ATTEMPT_INDEX: 1})
-    again = delivery.accept(0, again[1], failure, 0, 0)
+    [again] = delivery.accept(0, again[1], failure, 0, 0)
     assert again == (0, {keys.TASK_INDEX: 0, keys.ROLLOUT_INDEX: 0, keys.ATTEMPT_INDEX: 2})
-    assert delivery.accept(0, again[1], failure, 0, 0) is None  # the third attempt's record is kept
-    assert delivery.accept(1, *_item(0, 1, 0, 1.0), 0, 0) is None
+    assert delivery.accept(0, again[1], failure, 0, 0) == []  # the third attempt's record is kept
+    assert delivery.accept(1, *_item(0, 1, 0, 1.0), 0, 0) == []
     assert (meter.retried, delivery.buffered, delivery.open) == (2, 2, 0)
     # a terminal failure is delivered at once
     terminal = RolloutFailureRecord(failure_class="environment_server_failed", message="no", terminal=True)
     delivery.opened(1)
-    assert delivery.accept(2, {keys.TASK_INDEX: 1, keys.ROLLOUT_INDEX: 0}, terminal, 0, 0) is None
+    assert delivery.accept(2, {keys.TASK_INDEX: 1, keys.ROLLOUT_INDEX: 0}, terminal, 0, 0) == []
     assert meter.retried == 2
+
+
+def test_one_version_groups_run_the_older_members_again_until_the_group_has_one_version() -> None:
+    seen: list[int] = []
+    delivery, meter = _delivery(
+        group_size=3,
+        one_version_groups=True,
+        on_stale=lambda row, outcome: seen.append(row[keys.ROLLOUT_INDEX]),
+    )
+    delivery.opened(0)
+    assert delivery.accept(0, *_item(0, 0, 0, 1.0), 0, 1) == []
+    assert delivery.accept(1, *_item(0, 1, 1, 0.0), 1, 1) == []
+    requeue = delivery.accept(2, *_item(0, 2, 0, 0.5), 0, 1)  # complete, versions {0, 1}
+    assert [(seq, keys.POLICY_VERSION in row) for seq, row in requeue] == [(0, False), (2, False)]
+    assert (seen, meter.stale, delivery.buffered, delivery.open) == ([0, 2], 2, 0, 3)
+    assert delivery.accept(0, *_item(0, 0, 1, 1.0), 1, 1) == []
+    assert delivery.accept(2, *_item(0, 2, 1, 0.0), 1, 1) == []
+    entry, _ = delivery.take(1)
+    assert entry is not None
+    assert (entry[1].oldest_version, entry[1].newest_version, delivery.open) == (1, 1, 0)
+    # without the option the mixed group is delivered as it is
+    plain, _ = _delivery(group_size=2)
+    plain.opened(0)
+    plain.accept(0, *_item(0, 0, 0, 1.0), 0, 1)
+    assert plain.accept(1, *_item(0, 1, 1, 1.0), 1, 1) == []
+    entry, _ = plain.take(1)
+    assert entry is not None
+    assert (entry[1].oldest_version, entry[1].newest_version) == (0, 1)
