@@ -172,6 +172,20 @@ class RunStatus(BaseModel):
         return self.resumable == 0 and all(s.resume_error is None for s in self.shards)
 
 
+#: Shard labels a stream's ``record_dir`` gets (``stream-<run id>``).
+STREAM_SHARD_PREFIX = "stream-"
+#: The state line of a folder that only streams recorded.
+STREAM_STATE_LINE = (
+    "state: a stream's recording (it holds the rollouts the stream delivered and plans nothing ahead; "
+    "gym_ray.stream(rows, record_dir=..., resume=True) continues it)"
+)
+
+
+def is_stream_shard(label: str) -> bool:
+    """True for a shard a stream's ``record_dir`` wrote."""
+    return label.startswith(STREAM_SHARD_PREFIX)
+
+
 def _read_number(path: Path, field: str) -> float | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8")).get(field)
@@ -230,11 +244,13 @@ def _shard_status(run_dir: Path, shard: str) -> ShardStatus:
         ("terminal", "maxed_out", "pending", "retrying", "failed", "resumable")
     )
     resume_error = None
-    try:
-        plan = plan_resume(run_dir, shard, max_rollout_attempts=_read_max_attempts(paths.manifest))
-    except (ResumeError, InputError) as exc:
-        resume_error = str(exc)
-    else:
+    plan = None
+    if not is_stream_shard(shard):  # a stream records what it delivers; it plans nothing to resume from
+        try:
+            plan = plan_resume(run_dir, shard, max_rollout_attempts=_read_max_attempts(paths.manifest))
+        except (ResumeError, InputError) as exc:
+            resume_error = str(exc)
+    if plan is not None:
         plan_fields = {  # rows as the run summary counts them (gym_ray.run.row_counts.rows_of_plan)
             "terminal": plan.terminal,
             "maxed_out": plan.maxed_out,
@@ -344,7 +360,11 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
         state_detail=observed.detail,
         holder=observed.holder,
         finished_complete=observed.complete,
-        state_line=describe_state(observed, last_update=updated_at),
+        state_line=(
+            STREAM_STATE_LINE
+            if observed.state == "unknown" and all(is_stream_shard(s.shard) for s in shards)
+            else describe_state(observed, last_update=updated_at)
+        ),
         shards=shards,
         planned=total("planned") + unplanned,
         unplanned=unplanned,
@@ -428,10 +448,16 @@ def format_status(status: RunStatus) -> str:
     def line(name: str, cells: Sequence[str]) -> str:
         return "  ".join([name.ljust(name_width), *(c.rjust(w) for c, w in zip(cells, widths, strict=True))])
 
+    streams = all(is_stream_shard(s.shard) for s in status.shards)
+    counts = (
+        f"{status.succeeded} rollout(s) succeeded and {status.failed_attempts} failure record(s) delivered"
+        if streams
+        else f"{status.succeeded} succeeded, {status.failed} failed, {status.pending} pending of "
+        f"{status.planned} planned rollouts"
+    )
     out = [
         status.state_line or f"state: {status.state}",
-        f"run {status.run_dir}: {len(status.shards)} shard(s), {status.succeeded} succeeded, "
-        f"{status.failed} failed, {status.pending} pending of {status.planned} planned rollouts",
+        f"run {status.run_dir}: {len(status.shards)} shard(s), {counts}",
         line("shard", [header for _, header in _COLUMNS]),
         *(line(name, values) for name, values in rows),
     ]
@@ -445,10 +471,11 @@ def format_status(status: RunStatus) -> str:
             f"{status.retrying} with attempts left"
         )
     unplanned = f", {status.unplanned} not cut into shards yet" if status.unplanned else ""
-    out.append(
-        f"resume would run: {status.resumable} rollout(s) ({status.retrying} with earlier failed attempts"
-        f"{unplanned})"
-    )
+    if not streams:
+        out.append(
+            f"resume would run: {status.resumable} rollout(s) ({status.retrying} with earlier failed "
+            f"attempts{unplanned})"
+        )
     if status.rate_per_s is not None:
         eta = f"; ETA {_duration(status.eta_s)}" if status.eta_s is not None else ""
         out.append(f"rate: {status.rate_per_s:.2f} attempts/s{eta}")

@@ -230,6 +230,7 @@ class RolloutStream(StreamControls):
             UsageError: The stream is closed.
             ConfigError: The config is bad (before Ray starts).
             RunLockError: Another run holds ``record_dir`` (before Ray starts).
+            UsageError: ``record_dir`` already holds a recording and ``resume`` is not set.
         """
         async with self._start_lock:
             if self._state in ("closing", "closed"):
@@ -302,6 +303,8 @@ class RolloutStream(StreamControls):
 
         if self._record_dir is not None:  # one run per folder: refused before anything starts
             self._lock = RunLock(self._record_dir, what="stream").acquire()
+            if not self._resume:
+                _refuse_used_record_dir(self._record_dir)
         run = await resolve_run_config(self._config)
         check_stream_config(run)
         check_ports(run.topology)
@@ -571,3 +574,17 @@ class RolloutStream(StreamControls):
         requeue.sort(key=lambda pair: pair[0])
         self._queue.extendleft(reversed(requeue))
         self._notify()
+
+
+def _refuse_used_record_dir(record_dir: str) -> None:
+    """A stream without ``resume=True`` starts a folder afresh: one that already holds shards is refused
+    (a second recording in it would add rows nobody asked to re-collect)."""
+    from gym_ray.record.shard_files import list_shards
+
+    shards = list_shards(record_dir)
+    if shards:
+        raise UsageError(
+            f"stream: record_dir {record_dir} already holds {len(shards)} recording(s) "
+            f"({', '.join(shards)}); pass resume=True to skip what they hold (same input order), or give "
+            "a new record_dir"
+        )

@@ -21,6 +21,8 @@ from gym_ray.dispatch.outcomes import RolloutFailureRecord
 from gym_ray.errors import ConfigError, InputError, ServerConnectionError, UsageError, ValidationError
 from gym_ray.record.recorded import recorded_keys
 from gym_ray.record.run_lock import RunLock
+from gym_ray.record.shard_files import list_shards
+from gym_ray.record.status import format_status, run_status
 from gym_ray.servers import serve_config, start_in_thread
 from gym_ray.streaming.api import stream
 from gym_ray.streaming.row_feed import RowFeed
@@ -358,3 +360,29 @@ async def test_a_server_that_is_not_running_is_refused_at_start_in_one_line(
 async def test_stream_sync_refuses_a_running_loop() -> None:
     with pytest.raises(UsageError, match="running event loop"):
         stream_sync([], config={})
+
+
+async def test_a_used_record_dir_is_refused_without_resume_and_freed(ray_session: Any, tmp_path: Any) -> None:
+    run_dir = tmp_path / "run"
+    async with serve_config(_config()) as servers:
+        async with stream([_row(0)], config=servers.config, record_dir=run_dir) as rollouts:
+            [item async for item in rollouts]
+        (shard,) = list_shards(run_dir)
+        again = stream([_row(0)], config=servers.config, record_dir=run_dir)
+        with pytest.raises(UsageError) as refused:
+            await again.start()
+        assert str(refused.value) == (
+            f"stream: record_dir {run_dir} already holds 1 recording(s) ({shard}); pass resume=True to skip "
+            "what they hold (same input order), or give a new record_dir"
+        )
+        assert list_shards(run_dir) == [shard]  # nothing added
+        text = format_status(run_status(run_dir))
+        assert text.splitlines()[:2] == [
+            "state: a stream's recording (it holds the rollouts the stream delivered and plans nothing "
+            "ahead; gym_ray.stream(rows, record_dir=..., resume=True) continues it)",
+            f"run {run_dir}: 1 shard(s), 1 rollout(s) succeeded and 0 failure record(s) delivered",
+        ]
+        assert "cannot be resumed" not in text
+        assert "resume would run" not in text
+        async with stream([_row(0)], config=servers.config, record_dir=run_dir, resume=True) as rollouts:
+            assert [item async for item in rollouts] == []  # the folder was freed; resume skips task 0
