@@ -50,7 +50,8 @@ class StreamStats:
             batches; a group running through two batch ends counts twice).
         cancelled: Groups cancelled at the end of a ``next_batch(carry_over=False)``.
         staleness: Delivered rollouts by staleness at delivery (current version - their version).
-        rollouts_per_s: Delivered rollouts per second since the stream started.
+        rollouts_per_s: Delivered rollouts per second since the workers started (Ray's start and the
+            config's checks left out).
         server_latency_ms: Mean ``/run`` wall time of delivered results, by environment server.
     """
 
@@ -169,8 +170,12 @@ class StepMeter:
                 self._otel_latency.record(float(latency), {**self._attrs, "server": server})
         self._otel_counts["delivered"].add(n, self._attrs)
 
+    def begin(self) -> None:
+        """The workers run from now on: the rate counts from here, not from Ray's start."""
+        self.started = self._clock()
+
     def rate(self, delivered: int) -> float:
-        """Delivered rollouts per second since the stream started."""
+        """Delivered rollouts per second since the workers started (:meth:`begin`)."""
         elapsed = self._clock() - self.started
         return delivered / elapsed if elapsed > 0 else 0.0
 

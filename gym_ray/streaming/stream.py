@@ -299,7 +299,7 @@ class RolloutStream(StreamControls):
         from gym_ray.config.run_config import resolve_run_config
         from gym_ray.distributed.placement import import_ray, start_quiet_ray
 
-        ray = import_ray()
+        ray = await asyncio.to_thread(import_ray)  # importing Ray takes a while: keep the loop serving
 
         if self._record_dir is not None:  # one run per folder: refused before anything starts
             self._lock = RunLock(self._record_dir, what="stream").acquire()
@@ -338,9 +338,10 @@ class RolloutStream(StreamControls):
             self._record_dir,
             STREAM_WORKER_MAX_CONCURRENCY,
         )
-        for slot in self._slots:
-            self._launch(slot)
+        for slot in self._slots:  # creating an actor may export its class first: off the loop
+            await asyncio.to_thread(self._launch, slot)
         await asyncio.gather(*(slot.handle.pid.remote() for slot in self._slots))
+        self._meter.begin()
         self._state = "running"
         self._spawn(self._read_source(done))
         for slot in self._slots:

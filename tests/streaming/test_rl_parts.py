@@ -276,3 +276,12 @@ def test_one_version_groups_run_the_older_members_again_until_the_group_has_one_
     entry, _ = plain.take(1)
     assert entry is not None
     assert (entry[1].oldest_version, entry[1].newest_version) == (0, 1)
+
+
+def test_the_rate_counts_from_the_workers_start_not_from_the_stream_object() -> None:
+    now = [10.0]
+    meter = StepMeter("r1", clock=lambda: now[0])
+    now[0] = 14.0  # Ray started and the config was checked meanwhile
+    meter.begin()
+    now[0] = 16.0
+    assert meter.rate(10) == 5.0
