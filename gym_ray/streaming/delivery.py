@@ -85,6 +85,7 @@ class Delivery:
         self.partial: dict[int, dict[int, Item]] = {}
         self.ready: deque[Ready] = deque()
         self.running: set[int] = set()
+        self.passed: set[int] = set()  # groups the filters kept, until delivered: never judged twice
         self.open = 0  # rows read and not in ``ready``, delivered, dropped or cancelled
         self.buffered = 0  # rows in ``ready``
         self.delivered = 0
@@ -148,8 +149,11 @@ class Delivery:
             self.running.discard(gid)
             self.open -= self.width
             group = RolloutGroup(members[i] for i in sorted(members))
-            reason = filter_verdict(self.filters, self.filter_names, group)
+            # a group back from a stale re-run was judged already: a filter with side effects (counts,
+            # logs) sees each task once
+            reason = None if gid in self.passed else filter_verdict(self.filters, self.filter_names, group)
             if reason is None:
+                self.passed.add(gid)
                 self.ready.append((gid, group))
                 self.buffered += self.width
             else:
@@ -168,6 +172,7 @@ class Delivery:
         gid, group = entry = self.ready.popleft()
         self.buffered -= self.width
         if not any(is_stale(version_of(item), current, self.max_staleness) for item in group):
+            self.passed.discard(gid)
             return entry, []
         self.running.add(gid)
         self.open += self.width
@@ -186,6 +191,7 @@ class Delivery:
         cancelled ``next_batch``)."""
         for entry in reversed(entries):
             self.ready.appendleft(entry)
+            self.passed.add(entry[0])
             self.buffered += self.width
 
     def _stale(self, seq: int, row: Row, outcome: Outcome) -> SeqRow:
@@ -198,6 +204,7 @@ class Delivery:
         """Forget running groups (the caller removed their rows from the queue and the workers)."""
         for gid in gids:
             self.partial.pop(gid, None)
+            self.passed.discard(gid)
             if gid in self.running:
                 self.running.discard(gid)
                 self.open -= self.width
@@ -219,6 +226,7 @@ class Delivery:
         """Drop every finished, undelivered rollout (a close without drain)."""
         self.ready.clear()
         self.partial.clear()
+        self.passed.clear()
         self.buffered = 0
 
     def drain(self, current: int) -> list[RolloutGroup]:

@@ -285,3 +285,25 @@ def test_the_rate_counts_from_the_workers_start_not_from_the_stream_object() -> 
     meter.begin()
     now[0] = 16.0
     assert meter.rate(10) == 5.0
+
+
+def test_a_group_filter_judges_each_task_once_even_after_a_stale_re_run() -> None:
+    calls: list[int] = []
+
+    def counting(group: RolloutGroup) -> bool:
+        calls.append(group.task_index)
+        return True
+
+    delivery, meter = _delivery(max_staleness=0, group_filter=counting)
+    delivery.opened(0)
+    delivery.accept(0, *_item(0, 0, 0, 1.0), 0, 0)
+    delivery.accept(1, *_item(0, 1, 0, 0.0), 0, 0)
+    assert calls == [0]
+    entry, requeue = delivery.take(1)  # the version moved on before delivery: both members are stale
+    assert entry is None
+    assert [seq for seq, _ in requeue] == [0, 1]
+    delivery.accept(0, *_item(0, 0, 1, 1.0), 1, 1)
+    delivery.accept(1, *_item(0, 1, 1, 0.0), 1, 1)
+    entry, _ = delivery.take(1)
+    assert entry is not None
+    assert (calls, meter.stale, delivery.passed) == ([0], 2, set())
