@@ -33,6 +33,7 @@ from gym_ray.plan.load import load_jsonl
 from gym_ray.plan.shards import prepare_run
 from gym_ray.record.jsonl import JsonlReader, encode_line, parse_record
 from tests.plan.test_common_rows import _config
+from tests.test_json_equivalence import _same
 
 _FIXTURES = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
@@ -138,19 +139,6 @@ def _json_reads(line: str, strict: bool) -> tuple[bool, Any]:
         return True, json.loads(line, parse_constant=_no_constant, parse_float=_finite)
     except ValueError:
         return False, None
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal values of the same types all the way down (-0.0 is not 0.0, NaN equals NaN)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def _json_compact(value: Any) -> bytes:

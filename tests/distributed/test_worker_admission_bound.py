@@ -26,6 +26,7 @@ import pytest
 from gym_ray.distributed.api import acollect
 from gym_ray.servers import serve_config
 from gym_ray.servers.example_env import ExampleEnvServer
+from tests.dispatch.test_contracts import _config
 from tests.summaries import workers_that_dispatched
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
@@ -33,24 +34,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 WORKERS = 2
 LANES = 2  # shards each worker runs at once (gym_ray.distributed.worker.DEFAULT_SHARDS_IN_FLIGHT)
 RESIDENT = 3  # max_resident_tasks: one shard's worth of rows
-
-
-def _config(latency_ms: float) -> dict[str, Any]:
-    return {
-        "head_server": {"host": "127.0.0.1", "port": 0},
-        "agent": {"responses_api_agents": {"example_env": {"host": "127.0.0.1", "port": 0}}},
-        "env": {
-            "environment_servers": {
-                "example_env": {
-                    "host": "127.0.0.1",
-                    "port": 0,
-                    "latency_ms": latency_ms,
-                    "latency_jitter_ms": 0,
-                    "agent_server": {"type": "responses_api_agents", "name": "agent"},
-                }
-            }
-        },
-    }
 
 
 def _rows(count: int) -> list[dict[str, Any]]:
