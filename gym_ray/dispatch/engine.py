@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import json
 import math
 import time
@@ -47,7 +48,7 @@ from gym_ray.dispatch._completion import CompletionIterator
 from gym_ray.dispatch._http import excerpt_of
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.health import ServerHealth
-from gym_ray.dispatch.ladder import RESEND_BACKOFF_CAP_S, Ladder, SendFailed, request_error
+from gym_ray.dispatch.ladder import CANCELLED, RESEND_BACKOFF_CAP_S, Ladder, SendFailed, request_error
 from gym_ray.dispatch.outcomes import (
     CompletedRollout,
     RolloutFailureRecord,
@@ -308,25 +309,35 @@ class _Dispatcher:
             self._routes[key] = hit
         return hit
 
-    async def run(self, row: Row) -> tuple[Row, Any]:
-        """One row's task body (the semaphore, when any, is held for the drain check and the request)."""
+    async def run(self, row: Row, ladder: Ladder | None = None) -> tuple[Row, Any]:
+        """One row's task body (the semaphore, when any, is held for the drain check and the request).
+
+        ``ladder``: the row's retry ladder so far, for a row run again after its task was cancelled (a
+        stream's ``pause("abort")``): its budgets go on instead of starting again (with a health object).
+        """
         if self.semaphore is None or self.health is not None:
-            return await self._run(row)
+            return await self._run(row, ladder)
         async with self.semaphore:
-            return await self._run(row)
+            return await self._run(row, ladder)
 
-    async def _run(self, row: Row) -> tuple[Row, Any]:
+    def new_ladder(self) -> Ladder:
+        """An empty retry ladder for one row (see :meth:`run`)."""
+        return Ladder(self.client.max_request_retries)
+
+    async def _run(self, row: Row, ladder: Ladder | None) -> tuple[Row, Any]:
         if self.tracer is None:
-            return await self._run_row(row)
-        return await self.tracer.trace_rollout(row, self.server_of(row)[0], self._run_row, self.trace_links)
+            return await self._run_row(row, ladder)
+        run_row = functools.partial(self._run_row, ladder=ladder)
+        return await self.tracer.trace_rollout(row, self.server_of(row)[0], run_row, self.trace_links)
 
-    async def _run_row(self, row: Row) -> tuple[Row, Any]:
+    async def _run_row(self, row: Row, ladder: Ladder | None = None) -> tuple[Row, Any]:
         health = self.health
         if health is None:
             out: tuple[Row, Any] = await self._attempt(row, None)
             return out
         server, url, _ = self.server_of(row)
-        ladder = Ladder(self.client.max_request_retries)
+        if ladder is None:
+            ladder = self.new_ladder()
         while True:
             await health.admit(url, server)
             slot = self.semaphore if self.semaphore is not None else contextlib.nullcontext()
@@ -356,7 +367,10 @@ class _Dispatcher:
         body = episode_request_body(row) if is_materialized_row(row) else row
         # on the ladder the engine alone resends a /run the server may have seen
         replay = self.retry_requests if ladder is None else False
-        sent = 0 if ladder is None else len(ladder.errors)
+        sent = 0
+        if ladder is not None:  # counted as it leaves: a send cancelled meanwhile (an abort) stays counted
+            sent = len(ladder.errors)
+            ladder.errors.append(CANCELLED)
         started = time.perf_counter()
         try:
             if self.tracer is None:
@@ -373,8 +387,10 @@ class _Dispatcher:
             if ladder is None:
                 return await self._failed(row, exc, server)
             kind = request_error(exc)
-            if kind is not None:
-                ladder.errors.append(kind)
+            if kind is None:
+                ladder.errors.pop()  # no connection: nothing was sent
+            else:
+                ladder.errors[-1] = kind
             return SendFailed(exc)
         elapsed = time.perf_counter() - started
         if self.health is not None:

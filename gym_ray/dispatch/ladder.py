@@ -10,7 +10,9 @@ With a :class:`~gym_ray.dispatch.health.ServerHealth` the dispatch engine is the
   times while the health object holds the row back from a server that looks down;
 - anything else (an answered error) is the failure record at once.
 
-``errors`` lists what each request met, for the failure record (``_ng_failure_request_errors``).
+``errors`` lists what each request met, for the failure record (``_ng_failure_request_errors``); a request
+is counted as it leaves, so one cancelled by an abort stays in the list as ``"cancelled"`` (the server may
+have seen it). Only failures spend the budgets.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from dataclasses import dataclass, field
 from gym_ray.dispatch.health import ServerHealth, is_infrastructure_failure
 from gym_ray.errors import ServerConnectionError, ServerHTTPError, ServerResponseError
 
-__all__ = ["RESEND_BACKOFF_CAP_S", "Ladder", "SendFailed", "request_error"]
+__all__ = ["CANCELLED", "RESEND_BACKOFF_CAP_S", "Ladder", "SendFailed", "request_error"]
+
+#: What a send met when its task was cancelled before the reply (a stream's ``pause("abort")``).
+CANCELLED = "cancelled"
 
 #: Longest wait between two sends of one row's ``/run`` (the client's doubling backoff, capped lower).
 RESEND_BACKOFF_CAP_S = 2.0

@@ -174,6 +174,7 @@ class StreamWorker:
         self._started = False
         self._error: GymRayError | None = None
         self._running: dict[int, tuple[asyncio.Task[None], dict[str, Any]]] = {}
+        self._ladders: dict[int, Any] = {}  # seq -> the retry ladder of a row not yet finished
         # Cancelled before their submit arrived (or already pulled): a few ints per cancelled row at most.
         self._cancelled_seqs: set[int] = set()
 
@@ -309,6 +310,8 @@ class StreamWorker:
         running = [seq for seq in self._running if seq in wanted]
         found.update(running)
         await self._cancel_running(running)
+        for seq in wanted:
+            self._ladders.pop(seq, None)
         outbox: deque[Finished] = deque()
         for finished in self._outbox:
             if finished[0] in wanted:
@@ -434,7 +437,12 @@ class StreamWorker:
             self._running[seq] = (task, row)
 
     async def _run_row(self, seq: int, row: dict[str, Any], runner: Any, version: int) -> None:
-        row, outcome = await runner.run(row)
+        # a row aborted by pause("abort") and run again keeps its ladder: its retry budgets survive pauses
+        ladder = self._ladders.get(seq)
+        if ladder is None:
+            ladder = self._ladders[seq] = runner.new_ladder()
+        row, outcome = await runner.run(row, ladder)
+        self._ladders.pop(seq, None)
         entry = self._running.get(seq)
         if entry is None or entry[0] is not asyncio.current_task():
             return  # aborted or cancelled after the reply arrived: the outcome is not handed out
