@@ -64,7 +64,8 @@ def stream(
         group_size: Run each input row this many times and yield the task's rollouts together, as a
             :class:`~gym_ray.streaming.groups.RolloutGroup` ordered by rollout index, once all are done.
         max_in_flight: Rows admitted and not yet pulled, over all workers (split evenly; >= num_workers).
-        buffer_size: Outcomes finished and not yet taken by the consumer (default ``max_in_flight``).
+        buffer_size: Outcomes finished and not yet taken by the consumer (default ``max_in_flight``, or the
+            run-ahead window when that is larger).
         timeout_s: Timeout of each ``/run`` request. A ``/run`` that times out on a server that still
             answers ``GET /`` is sent at most 3 times (once with ``retry_requests=False``), then delivered
             as a failure record stating its requests: about ``timeout_s`` x 3 + 1.5 s after it was first
@@ -77,7 +78,12 @@ def stream(
             429/502/503/504); False sends each ``/run`` once, except a connection that was never made.
         policy_version: The policy version at the start (see :meth:`RolloutStream.set_policy_version`).
         max_staleness: Deliver no rollout whose version is more than this many versions behind the version
-            current at delivery; its row runs again under the current version (None: no bound).
+            current at delivery; its row runs again under the current version (None: no bound). It also
+            sizes the run-ahead window from the first ``next_batch(n)`` on: at most ``(max_staleness + 1)
+            x n x group_size`` rollouts (``n`` times ``oversample``) are read and not yet delivered, less the
+            batch the trainer holds until it moves the policy version, so generation never runs more than
+            ``max_staleness`` batches ahead of training (0: nothing runs during a step), yet it keeps
+            running while a step does (``stats().run_ahead``).
         on_stale: ``(row, outcome) -> None``, called with each stale rollout before its row runs again.
         group_filter: ``(group) -> bool`` (or a list of them; needs ``group_size``): a complete group is
             delivered only when every filter returns True, e.g. :func:`gym_ray.drop_uniform_reward`.

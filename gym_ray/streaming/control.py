@@ -49,6 +49,11 @@ class _Host(Protocol):
     _version: int
     _paused: bool
     _group_budget: int | None
+    _run_ahead: int | None
+    _oversample: float
+    _wanted: int
+    _delivered_at_version: int
+    _held: int
     _group_size: int | None
     _error: BaseException | None
     _meter: StepMeter
@@ -78,6 +83,11 @@ class StreamControls:
     _version: int
     _paused: bool
     _group_budget: int | None
+    _run_ahead: int | None
+    _oversample: float
+    _wanted: int
+    _delivered_at_version: int
+    _held: int
     _queue: deque[SeqRow]
 
     def stats(self: _Host) -> StreamStats:
@@ -104,6 +114,7 @@ class StreamControls:
             staleness=dict(sorted(meter.staleness.items())),
             rollouts_per_s=meter.rate(self._delivery.delivered),
             server_latency_ms=meter.server_latency_ms(),
+            run_ahead=self._run_ahead,
         )
 
     @property
@@ -128,6 +139,8 @@ class StreamControls:
                 f"the current version is {self._version}"
             )
         async with self._control_lock:
+            if version > self._version:  # the run-ahead window opens again (see stream())
+                self._delivered_at_version = self._delivery.delivered
             self._version = version
             await self._broadcast("set_policy_version", version)
             self._notify()
@@ -220,11 +233,16 @@ class StreamControls:
         if timeout_s is not None and not timeout_s > 0:
             raise UsageError(f"next_batch(timeout_s={timeout_s!r}): must be > 0 seconds, or None")
         self._check_open("next_batch")
-        if self._state == "new":
-            await self.start()
         if oversample is not None:
+            self._oversample = oversample
             self._group_budget = math.ceil(n_groups * oversample)
-            self._notify()
+        staleness = self._delivery.max_staleness
+        if staleness is not None:  # the run-ahead window: (max_staleness + 1) batches (see stream())
+            batch_groups = math.ceil(n_groups * self._oversample)
+            self._run_ahead = (staleness + 1) * batch_groups * self._delivery.width
+        if self._state == "new":  # after the window is set: the reader starts inside it
+            await self.start()
+        self._notify()
         batch: list[Ready] = []
         deadline = asyncio.timeout(timeout_s)
         try:
@@ -234,15 +252,20 @@ class StreamControls:
                         entry = self._take()
                         if entry is not None:
                             batch.append(entry)
+                            self._held += self._delivery.width  # still ahead of the trainer
                             continue
                         if self._error is not None:
                             raise self._error
                         if self._finished():
                             break
+                        self._wanted = (n_groups - len(batch)) * self._delivery.width
+                        self._notify()
                         await self._wait()
             except TimeoutError:
                 if not deadline.expired():
                     raise
+            finally:
+                self._wanted = 0
             async with self._control_lock:
                 running = set(self._delivery.running)
                 if carry_over:
@@ -250,6 +273,7 @@ class StreamControls:
                 else:
                     await self._cancel_groups(running)
         except asyncio.CancelledError:
+            self._held = 0
             if self._state == "running":  # the caller gave up on this call, not on the stream
                 self._delivery.unread(batch)
                 self._notify()
@@ -257,10 +281,12 @@ class StreamControls:
                 await self._shutdown(drain=False)
             raise
         except BaseException:
+            self._held = 0
             await self._shutdown(drain=False)
             raise
         # delivery is the last step, with no await after it: a cancelled call has delivered nothing
         groups = [group for _, group in batch]
+        self._held = 0
         self._delivery.commit(groups, self._version)
         self._notify()
         return groups if self._group_size is not None else [group[0] for group in groups]

@@ -4,8 +4,9 @@
 accepted input (a list, a sync iterator, an async iterator) into one async iterator, and
 :func:`stamp_rows` copies an input row into the rollout rows the stream sends to its workers.
 
-Concurrency: a :class:`RowFeed` belongs to one event loop (the stream's); ``put`` / ``close`` are not
-thread-safe. It holds every row put and not yet read, so its memory is the caller's to bound (the stream
+Concurrency: a :class:`RowFeed` is read by one event loop (the stream's); ``put`` / ``close`` may be called
+from that loop or from one other thread (a :func:`~gym_ray.stream_sync` caller's). It holds every row
+put and not yet read, so its memory is the caller's to bound (the stream
 reads rows only as fast as its backpressure allows).
 """
 
@@ -39,6 +40,19 @@ class RowFeed:
         self._rows: deque[Mapping[str, Any]] = deque()
         self._closed = False
         self._event = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the reading loop, once it reads
+
+    def _wake(self) -> None:
+        """Wake the reader, from its own loop or from another thread."""
+        loop = self._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is None or running is loop:
+            self._event.set()
+        else:
+            loop.call_soon_threadsafe(self._event.set)
 
     def put(self, row: Mapping[str, Any]) -> None:
         """Add one row.
@@ -49,7 +63,7 @@ class RowFeed:
         if self._closed:
             raise UsageError("RowFeed.put after close(): the stream already knows its input has ended")
         self._rows.append(row)
-        self._event.set()
+        self._wake()
 
     def put_many(self, rows: Iterable[Mapping[str, Any]]) -> None:
         """Add rows in order."""
@@ -59,12 +73,13 @@ class RowFeed:
     def close(self) -> None:
         """End the input: the stream finishes once every row put so far is delivered."""
         self._closed = True
-        self._event.set()
+        self._wake()
 
     def __aiter__(self) -> AsyncIterator[Mapping[str, Any]]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Mapping[str, Any]]:
+        self._loop = asyncio.get_running_loop()
         while True:
             while self._rows:
                 yield self._rows.popleft()

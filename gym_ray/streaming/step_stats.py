@@ -53,6 +53,10 @@ class StreamStats:
         rollouts_per_s: Delivered rollouts per second since the workers started (Ray's start and the
             config's checks left out).
         server_latency_ms: Mean ``/run`` wall time of delivered results, by environment server.
+        run_ahead: The run-ahead window in rollouts (read and not yet delivered, at most), set by
+            ``next_batch`` from ``max_staleness``: ``(max_staleness + 1) x`` the batch's groups
+            (``oversample`` included) ``x group_size``; None without ``max_staleness`` or before the first
+            ``next_batch`` (no window: the stream reads ahead as bounded by ``max_in_flight`` and the buffer).
     """
 
     read: int
@@ -75,6 +79,7 @@ class StreamStats:
     staleness: dict[int, int] = field(default_factory=dict)
     rollouts_per_s: float = 0.0
     server_latency_ms: dict[str, float] = field(default_factory=dict)
+    run_ahead: int | None = None
 
 
 class StepMeter:

@@ -11,7 +11,9 @@ the buffer has free room, and a worker admits a row only while its rows admitted
 share of ``max_in_flight``. So after the consumer has taken ``C`` outcomes and stops pulling, the servers
 receive at most ``C + buffer_size + max_in_flight`` ``/run`` requests (per attempt, with a healthy client:
 retries after connection failures add to it). With ``group_size = k`` only complete groups count against
-``buffer_size``; partial groups are bounded by the rows in the workers and the queue.
+``buffer_size``; partial groups are bounded by the rows in the workers and the queue. With
+``max_staleness``, ``next_batch`` also sets a run-ahead window on the rows read and not delivered
+(:meth:`RolloutStream._may_open_group`; docs/internals.md gives the numbers).
 
 Delivery promises: every input row's outcome is delivered once (unless a group filter drops its group,
 or ``next_batch(carry_over=False)`` cancels it). A worker that dies (``RayActorError``) has
@@ -171,7 +173,9 @@ class RolloutStream(StreamControls):
         self._num_workers = num_workers
         self._group_size = group_size
         self._max_in_flight = max_in_flight
-        self._buffer_size = buffer_size if buffer_size is not None else max_in_flight
+        self._buffer_size = buffer_size  # None: max_in_flight, or the run-ahead window once it is known
+        # rollouts read and not delivered, at most: set by next_batch with max_staleness (_may_open_group)
+        self._run_ahead: int | None = None
         self._timeout_s = timeout_s
         self._record_dir = str(record_dir) if record_dir is not None else None
         self._resume = resume
@@ -203,6 +207,10 @@ class RolloutStream(StreamControls):
         self._version = policy_version
         self._paused = False
         self._group_budget = max_groups_in_flight
+        self._oversample = 1.0  # next_batch's last oversample
+        self._wanted = 0  # rollouts a waiting next_batch still lacks
+        self._held = 0  # rollouts a waiting next_batch has taken and not yet delivered
+        self._delivered_at_version = 0  # delivered when the policy version last moved
         self._changed = asyncio.Event()
         self._source_done = False
         self._error: BaseException | None = None
@@ -326,7 +334,7 @@ class RolloutStream(StreamControls):
         base, extra = divmod(self._max_in_flight, self._num_workers)
         self._slots = [_Slot(i, base + (1 if i < extra else 0)) for i in range(self._num_workers)]
         logger.info(
-            "stream %s: %d workers, max_in_flight=%d (per worker %s), buffer_size=%d, group_size=%s, "
+            "stream %s: %d workers, max_in_flight=%d (per worker %s), buffer_size=%s, group_size=%s, "
             "timeout_s=%s, record_dir=%s; actors num_cpus=0 max_concurrency=%d",
             self.run_id,
             self._num_workers,
@@ -446,11 +454,7 @@ class RolloutStream(StreamControls):
         next_task = 0
         seq_base = 0
         async for raw in aiter_rows(self._rows):
-            while (
-                self._group_budget is not None
-                and len(self._delivery.running) >= self._group_budget
-                and self._state == "running"
-            ):
+            while not self._may_open_group() and self._state == "running":
                 await self._wait()
             own = raw.get(keys.TASK_INDEX) if isinstance(raw, Mapping) else None
             task = own if type(own) is int else next_task
@@ -485,6 +489,31 @@ class RolloutStream(StreamControls):
         self._source_done = True
         self._notify()
 
+    def _may_open_group(self) -> bool:
+        """The reader may read the next input row: under the group budget and the run-ahead window.
+
+        The window (``_run_ahead``, set by ``next_batch`` from ``max_staleness``) bounds the rollouts read
+        and not yet delivered; what was delivered since the policy version last moved is taken from it
+        (the trainer holds that batch and has not yet moved the version), but never below what a waiting
+        ``next_batch`` holds and still lacks, so a trainer taking several batches per version, or whose
+        filters drop groups, never waits forever.
+        """
+        delivery = self._delivery
+        if self._group_budget is not None and len(delivery.running) >= self._group_budget:
+            return False
+        if self._run_ahead is None:
+            return True
+        taken = delivery.delivered - self._delivered_at_version
+        allowed = max(self._run_ahead - taken, self._held + self._wanted)
+        return delivery.open + delivery.buffered + self._held + delivery.width <= allowed
+
+    def _buffer_cap(self) -> int:
+        """Finished rollouts the buffer may hold: ``buffer_size`` when given, else ``max_in_flight`` or the
+        run-ahead window, whichever is larger (a window's rollouts all fit, finished, while a step runs)."""
+        if self._buffer_size is not None:
+            return self._buffer_size
+        return max(self._max_in_flight, self._run_ahead or 0)
+
     # --- workers ---------------------------------------------------------------------------------
 
     async def _feed(self, slot: _Slot) -> None:
@@ -518,7 +547,7 @@ class RolloutStream(StreamControls):
                 available = await slot.handle.ready.remote(PULL_WAIT_S)
                 if not available:
                     continue
-                room = min(self._buffer_size - self._delivery.buffered - self._reserved, available)
+                room = min(self._buffer_cap() - self._delivery.buffered - self._reserved, available)
                 if room <= 0:
                     await self._wait()
                     continue

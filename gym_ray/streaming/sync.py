@@ -1,17 +1,25 @@
 """``stream_sync(rows, ...)``: :func:`gym_ray.stream` for plain Python loops, outside an event loop.
 
 A :class:`SyncRolloutStream` runs a :class:`~gym_ray.streaming.stream.RolloutStream` on a private event loop
-(``asyncio.Runner``) in the calling thread. The stream makes progress only while the caller waits for the
-next item; its Ray workers keep running rollouts meanwhile, up to the stream's backpressure bound. All the
-stream's delivery and closing promises hold; closing also closes the private loop.
+in a thread of its own (started by the first call), so the stream keeps pulling finished rollouts into its
+buffer while the caller's code runs: a training step that lasts seconds finds, when it ends, what finished
+meanwhile, up to the stream's bounds (``max_in_flight``, the buffer, the run-ahead window; see
+:func:`gym_ray.stream`). Each method hands its call to that loop and waits for the answer. All the stream's
+delivery and closing promises hold; closing also stops the thread.
 
-Concurrency: one thread at a time; not for use from inside a running event loop (a notebook cell).
+The input rows, group filters and ``on_stale`` run on the stream's thread. Ctrl-C (or any exception) while
+a call waits cancels that call on the stream's loop and waits until it has ended before it propagates, as
+cancelling the same call of :class:`RolloutStream` does (an interrupted ``next_batch`` leaves the stream
+open with its groups buffered; an interrupted iteration closes the stream).
+
+Concurrency: one calling thread at a time; not for use from inside a running event loop (a notebook cell).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable, Iterator, Mapping
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -28,30 +36,85 @@ T = TypeVar("T")
 class SyncRolloutStream:
     """A :class:`RolloutStream` for plain Python loops: ``for item in stream_sync(...)``.
 
-    Runs the stream on a private event loop in the calling thread; the stream makes progress while the
-    caller waits for the next item (workers keep running rollouts up to the backpressure bound meanwhile).
-    Close it (``with`` or :meth:`close`) to stop the workers.
+    Runs the stream on a private event loop in a thread of its own, so rollouts keep arriving while the
+    caller computes (see the module docstring). Close it (``with`` or :meth:`close`) to stop the workers
+    and the thread.
     """
 
     def __init__(self, inner: RolloutStream) -> None:
         self._inner = inner
-        self._runner = asyncio.Runner()
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
 
     def __iter__(self) -> Iterator[Item | RolloutGroup]:
         return self
+
+    def _serve(self, ready: threading.Event) -> None:
+        """The stream's thread: its loop runs until :meth:`close` (leftover tasks are then cancelled and
+        the loop closed by ``asyncio.Runner``)."""
+
+        async def until_closed() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            ready.set()
+            await self._stop.wait()
+
+        with asyncio.Runner() as runner:
+            runner.run(until_closed())
+
+    def _loop_started(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            ready = threading.Event()
+            name = f"gym-ray-stream-{self._inner.run_id[:8]}"
+            self._thread = threading.Thread(target=self._serve, args=(ready,), name=name, daemon=True)
+            self._thread.start()
+            ready.wait()
+        assert self._loop is not None
+        return self._loop
+
+    def _call(self, call: Coroutine[Any, Any, T]) -> T:
+        """Run ``call`` on the stream's loop and return its result; when the wait is interrupted (Ctrl-C),
+        cancel the call, wait until it has ended, and re-raise."""
+        ended = threading.Event()
+
+        async def tracked() -> T:
+            try:
+                return await call
+            finally:
+                ended.set()
+
+        future = asyncio.run_coroutine_threadsafe(tracked(), self._loop_started())
+        try:
+            ended.wait()
+        except BaseException:
+            future.cancel()
+            ended.wait()
+            raise
+        return future.result()
 
     def _run(self, call: Coroutine[Any, Any, T]) -> T:
         if self._closed:
             call.close()
             raise UsageError("this stream is closed")
-        return self._runner.run(call)
+        return self._call(call)
+
+    def _read(self, read: Callable[[], T]) -> T:
+        """A reading of the stream's state, taken on its loop while it runs."""
+        if self._closed or self._loop is None:
+            return read()
+
+        async def now() -> T:
+            return read()
+
+        return self._call(now())
 
     def __next__(self) -> Item | RolloutGroup:
         if self._closed:
             raise StopIteration
         try:
-            return self._runner.run(self._inner.__anext__())
+            return self._call(self._inner.__anext__())
         except StopAsyncIteration:
             self.close()
             raise StopIteration from None
@@ -61,12 +124,12 @@ class SyncRolloutStream:
 
     def stats(self) -> StreamStats:
         """See :meth:`RolloutStream.stats`."""
-        return self._inner.stats()
+        return self._read(self._inner.stats)
 
     @property
     def policy_version(self) -> int:
         """See :attr:`RolloutStream.policy_version`."""
-        return self._inner.policy_version
+        return self._read(lambda: self._inner.policy_version)
 
     def start(self) -> None:
         """See :meth:`RolloutStream.start` (the first call that needs the workers starts them anyway)."""
@@ -100,14 +163,15 @@ class SyncRolloutStream:
         oversample: float | None = None,
         carry_over: bool = True,
     ) -> list[Any]:
-        """See :meth:`RolloutStream.next_batch`; an error closes the stream."""
+        """See :meth:`RolloutStream.next_batch`; an error closes the stream, Ctrl-C does not (the groups the
+        call had taken stay buffered for the next one)."""
         try:
             return self._run(
                 self._inner.next_batch(
                     n_groups, timeout_s=timeout_s, oversample=oversample, carry_over=carry_over
                 )
             )
-        except UsageError:
+        except (UsageError, KeyboardInterrupt):
             raise
         except BaseException:
             self.close()
@@ -121,11 +185,17 @@ class SyncRolloutStream:
         """See :meth:`RolloutStream.aclose_and_drain`; also closes the private loop. Idempotent."""
         if self._closed:
             return []
-        self._closed = True
         try:
-            return self._runner.run(self._inner.aclose_and_drain())
+            return self._call(self._inner.aclose_and_drain())
         finally:
-            self._runner.close()
+            self._closed = True
+            self._stop_thread()
+
+    def _stop_thread(self) -> None:
+        loop, stop, thread = self._loop, self._stop, self._thread
+        if loop is not None and stop is not None and thread is not None:
+            loop.call_soon_threadsafe(stop.set)
+            thread.join()
 
     def __enter__(self) -> SyncRolloutStream:
         return self
