@@ -257,8 +257,8 @@ class IncompleteRunError(GymRayError):
 
 
 class ActorLostError(GymRayError):
-    """An actor the run cannot replace died: ``role`` is ``"driver"`` (the run's host actor, which holds the
-    driver and the coordinator)."""
+    """An actor the run cannot replace died: ``role`` is ``"driver"`` (the run's
+    :class:`~gym_ray.distributed.driver.RunDriver`) or ``"coordinator"`` (its ``RunCoordinator``)."""
 
     def __init__(self, message: str, *, role: str, run_dir: str | None = None) -> None:
         super().__init__(message)

@@ -14,8 +14,9 @@ Scenarios (each starts its own reference servers on 127.0.0.1 and a fresh run fo
   ``PATH``, one ``wrk`` per server (a C client, ``in_flight_total`` connections split evenly, about
   ``efficiency_rollouts / ideal`` seconds, at least 5) gives the servers' own ceiling: ``wrk_efficiency``
   and ``ray_vs_wrk`` (None without ``wrk``).
-- ``rss``: peak resident memory of the driver (the run host actor: driver and coordinator) and of each
-  worker actor for two input sizes (instant servers, input read from a JSONL file), sampled every
+- ``rss``: peak resident memory of the driver actor, the coordinator actor and each worker actor, and
+  their sum (``actors_peak_rss_mb``, each actor's own peak: an upper bound of the tree's), for two input
+  sizes (instant servers, input read from a JSONL file), sampled every
   ``sample_s``; flat peaks mean memory does not grow with the input.
 
 The reference servers run in a child process (spawned, one per scenario run), so they do not share this
@@ -217,7 +218,10 @@ def _input_file(folder: Path, rows: int) -> Path:
 
 
 async def _pids(actors: RunActors) -> dict[str, int]:
-    pids = {"driver": await actors.host.pid.remote()}  # the host: driver and coordinator
+    pids = {
+        "driver": await actors.driver.pid.remote(),
+        "coordinator": await actors.coordinator.pid.remote(),
+    }
     for worker_id, handle in list(actors.workers.items()):
         with contextlib.suppress(Exception):
             pids[worker_id] = await handle.pid.remote()
@@ -410,11 +414,13 @@ async def run_ray_bench(
                         shard_size=250,
                         sample_s=sample_s,
                     )
-                workers = {k: v for k, v in probe.peak_rss.items() if k != "driver"}
+                workers = {k: v for k, v in probe.peak_rss.items() if k not in ("driver", "coordinator")}
                 report["rss"].append(
                     {
                         **figures,
                         "driver_peak_rss_mb": _mb(probe.peak_rss.get("driver", 0)),
+                        "coordinator_peak_rss_mb": _mb(probe.peak_rss.get("coordinator", 0)),
+                        "actors_peak_rss_mb": _mb(sum(probe.peak_rss.values())),
                         "worker_peak_rss_mb": {k: _mb(v) for k, v in sorted(workers.items())},
                         "worker_peak_rss_max_mb": _mb(max(workers.values(), default=0)),
                     }

@@ -15,10 +15,11 @@ GCS, raylet, agents, every actor) and records:
   the tree, such as another Ray on the same machine, count only in part);
 - ``peak_processes``: the most processes the tree had at one sample;
 - ``cpu_by_role_s``: ``cpu_s`` split by what each process is (:func:`process_role`): the ``caller`` (the
-  ``gym-ray run`` process itself), the run's ``host`` actor, its ``workers``, ``ray`` (Ray's own processes:
-  GCS, raylet, its agents, idle workers) and ``helpers`` (the merge's sorting pool, planning's byte-range
-  process). A process is named by its latest sample that shows a command line (an exiting one shows none):
-  an actor process shows Ray's worker script until its actor renames it.
+  ``gym-ray run`` process itself), the run's ``driver`` and ``coordinator`` actors, its ``workers``,
+  ``ray`` (Ray's own processes: GCS, raylet, its agents, idle workers) and ``helpers`` (the merge's
+  sorting pool, planning's byte-range process). A process is named by its latest sample that shows a
+  command line (an exiting one shows none): an actor process shows Ray's worker script until its actor
+  renames it.
 
 From two sizes ``a < b`` a straight line ``cost(n) = fixed + n * per_rollout`` is fitted for wall and CPU:
 ``per_rollout = (cost(b) - cost(a)) / (b - a)`` and ``fixed = cost(a) - a * per_rollout``, so Ray's start-up
@@ -49,7 +50,7 @@ __all__ = ["ROLES", "measure_tree", "process_role", "run_ray_vs_local_bench"]
 SAMPLE_S = 0.2
 _MB = 1024 * 1024
 #: The roles of :func:`process_role`, in the order the figures list them.
-ROLES = ("caller", "host", "workers", "ray", "helpers")
+ROLES = ("caller", "driver", "coordinator", "workers", "ray", "helpers")
 #: Ray's own executables (GCS, raylet) by file name.
 _RAY_EXECUTABLES = frozenset({"gcs_server", "raylet"})
 #: Ray's Python scripts (a worker process before its actor renames it, the two agents) by file name.
@@ -68,7 +69,9 @@ def process_role(cmdline: list[str], *, is_root: bool) -> str:
     first = cmdline[0] if cmdline else ""
     if first.startswith("ray::"):
         actor = first[len("ray::") :].split(".", 1)[0].split(" ", 1)[0]
-        return {"RunHost": "host", "RolloutWorker": "workers"}.get(actor, "ray")
+        return {"RunDriver": "driver", "RunCoordinator": "coordinator", "RolloutWorker": "workers"}.get(
+            actor, "ray"
+        )
     if os.path.basename(first) in _RAY_EXECUTABLES or any(
         "/ray/" in part and part.endswith(_RAY_SCRIPTS) for part in cmdline[:3]
     ):

@@ -397,6 +397,10 @@ class RunSettings(BaseModel):
             duplicate wins). What JSON cannot carry to a server (``NaN`` / ``Infinity``, numbers that
             overflow a double; in rows passed as Python objects, ``nan`` / ``inf`` floats) is refused
             either way, with the file and line or the row: nothing sends it on.
+        control_actors_resource: the name of a custom Ray resource: the run's driver and coordinator
+            actors go to a node holding it instead of the caller's node (a job submitted from a machine
+            that is not a cluster node; e.g. ``ray start --resources='{"gym_ray_control": 1}'`` on the
+            head). None: the caller's node.
         use_new_config: resume a run folder whose recorded servers (``gym_ray_run.json``) are at other
             addresses than this config resolves to (``gym-ray run --use-new-config``); without it such a
             resume is refused before anything starts. The config's identity must match either way.
@@ -446,6 +450,7 @@ class RunSettings(BaseModel):
     max_failed_fraction: float = Field(0.0, ge=0.0, le=1.0)
     strict_json: bool = True
     use_new_config: bool = False
+    control_actors_resource: str | None = Field(None, min_length=1)
 
     @model_validator(mode="before")
     @classmethod

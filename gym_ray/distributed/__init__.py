@@ -1,5 +1,4 @@
-"""gym_ray on Ray: the worker actors and the run's host actor (driver and coordinator), and ``collect`` /
-``acollect``.
+"""gym_ray on Ray: the run's driver, coordinator and worker actors, and ``collect`` / ``acollect``.
 
 Importing this package does not import Ray; the actors are plain classes made remote by
 :func:`~gym_ray.distributed.api.run_actors` (every actor with ``num_cpus=0``: they are IO bound). Its
@@ -16,8 +15,7 @@ from gym_ray._lazy import lazy_exports
 if TYPE_CHECKING:
     from gym_ray.distributed.api import RunActors, acollect, collect, plan_from_config, run_actors
     from gym_ray.distributed.coordinator import RunCoordinator, RunStatus, ShardTiming
-    from gym_ray.distributed.driver import DriverStatus, ShardDriver, ShardFailure
-    from gym_ray.distributed.host import RunHost
+    from gym_ray.distributed.driver import DriverStatus, RunDriver, ShardDriver, ShardFailure
     from gym_ray.distributed.live import ProgressSnapshot
     from gym_ray.distributed.worker import RolloutWorker, WorkerProgress, WorkerTotals
 
@@ -27,7 +25,7 @@ _LAZY: dict[str, str] = {
     "RolloutWorker": "gym_ray.distributed.worker",
     "RunActors": "gym_ray.distributed.api",
     "RunCoordinator": "gym_ray.distributed.coordinator",
-    "RunHost": "gym_ray.distributed.host",
+    "RunDriver": "gym_ray.distributed.driver",
     "RunStatus": "gym_ray.distributed.coordinator",
     "ShardDriver": "gym_ray.distributed.driver",
     "ShardFailure": "gym_ray.distributed.driver",
@@ -46,7 +44,7 @@ __all__ = [
     "RolloutWorker",
     "RunActors",
     "RunCoordinator",
-    "RunHost",
+    "RunDriver",
     "RunStatus",
     "ShardDriver",
     "ShardFailure",

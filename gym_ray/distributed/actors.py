@@ -6,13 +6,25 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from gym_ray.distributed.coordinator import RunCoordinator
+from gym_ray.distributed.driver import RunDriver
 from gym_ray.distributed.worker import WorkerTotals
+from gym_ray.errors import ActorLostError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CLOSE_GRACE_S", "RunActors", "close_actors", "stop_poller", "teardown_actors"]
+__all__ = [
+    "DEFAULT_CLOSE_GRACE_S",
+    "RunActors",
+    "close_actors",
+    "raise_if_control_actor_lost",
+    "resume_hint",
+    "stop_poller",
+    "teardown_actors",
+]
 
 #: Seconds every actor gets to flush its telemetry (``close()``) before it is killed.
 DEFAULT_CLOSE_GRACE_S = 30.0
@@ -22,14 +34,16 @@ DEFAULT_CLOSE_GRACE_S = 30.0
 class RunActors:
     """The live actors of a distributed run (for status, tests and chaos tools).
 
-    ``host`` is the :class:`~gym_ray.distributed.host.RunHost` actor (the shard driver and the coordinator
-    in one process); ``workers`` maps worker id -> actor handle and gains replacements as they start;
+    ``driver`` is the :class:`~gym_ray.distributed.driver.RunDriver` actor, ``coordinator`` the
+    :class:`~gym_ray.distributed.coordinator.RunCoordinator` actor; ``workers`` maps worker id -> actor
+    handle and gains replacements as they start;
     ``nodes`` maps worker id -> the Ray node (hex id) it was placed on; ``lost`` lists the workers that
     died, in order; ``moved`` lists the workers retired from a crowded node (they finished their shards)
     so that a replacement could start on a node that joined the cluster with none of the run's workers.
     """
 
-    host: Any
+    driver: Any
+    coordinator: Any
     workers: dict[str, Any] = field(default_factory=dict)
     nodes: dict[str, str] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)
@@ -66,7 +80,8 @@ async def teardown_actors(
 
     handles = [
         *(handle for worker_id, handle in actors.workers.items() if worker_id not in actors.lost),
-        actors.host,
+        actors.driver,
+        actors.coordinator,
     ]
     try:
         if runs:
@@ -82,7 +97,7 @@ async def teardown_actors(
             logger.info("collect: stopping the run's actors")
         await close_actors(handles, timeout_s=close_grace_s)
     finally:
-        for handle in [*actors.workers.values(), actors.host]:
+        for handle in [*actors.workers.values(), actors.driver, actors.coordinator]:
             ray.kill(handle, no_restart=True)
 
 
@@ -110,3 +125,38 @@ async def close_actors(handles: Sequence[Any], *, timeout_s: float) -> None:
             timeout_s,
             type(failed[0]).__name__,
         )
+
+
+#: Seconds a liveness probe of a control actor may take before it counts as alive (busy).
+_PROBE_S = 30.0
+
+
+async def raise_if_control_actor_lost(actors: RunActors, run_dir: str) -> None:
+    """Raise :class:`ActorLostError` naming the run's driver or coordinator actor when one died."""
+    import ray
+
+    for role, handle, name in (
+        ("driver", actors.driver, RunDriver.__name__),
+        ("coordinator", actors.coordinator, RunCoordinator.__name__),
+    ):
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(handle.pid.remote().future()), _PROBE_S)
+        except ray.exceptions.RayActorError as exc:
+            reason = (str(exc).strip().splitlines() or ["no reason given"])[0]
+            raise ActorLostError(
+                f"the run's {role} actor ({name}) died ({reason[:200]}); the run cannot go on without "
+                f"it; {resume_hint(run_dir)}",
+                role=role,
+                run_dir=run_dir,
+            ) from None
+        except TimeoutError:
+            continue  # busy, not dead
+
+
+def resume_hint(run_dir: str) -> str:
+    """One sentence on whether a rerun continues ``run_dir`` (true only when the folder holds a plan)."""
+    from gym_ray.plan.run_manifest import RUN_MANIFEST
+
+    if (Path(run_dir) / RUN_MANIFEST).exists():
+        return f"the run folder {run_dir} is resumable: rerun the same command to run only what is missing"
+    return f"nothing was recorded in {run_dir}: rerun the same command to start over"

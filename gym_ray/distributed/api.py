@@ -3,8 +3,10 @@
 Roles (ARCHITECTURE.md, "Ray roles"): one :class:`~gym_ray.distributed.driver.ShardDriver` plans the run and
 hands shards out on request; ``num_workers`` :class:`~gym_ray.distributed.worker.RolloutWorker` actors pull
 and run them; one :class:`~gym_ray.distributed.coordinator.RunCoordinator` counts shard reports and
-finalizes the run (merge, ``/aggregate_metrics`` once per environment server, summary). The driver and the
-coordinator share one actor process, the :class:`~gym_ray.distributed.host.RunHost`. The same
+finalizes the run (merge, ``/aggregate_metrics`` once per environment server, summary). Each role is its
+own kind of actor: one :class:`~gym_ray.distributed.driver.RunDriver`, one ``RunCoordinator`` and the
+workers; both control actors sit on the caller's node (or on nodes holding the Ray resource named by
+``control_actors_resource``). The same
 ``plan_run`` / ``run_shard`` / ``finalize_run`` serve a single-process run; Ray only decides which process
 runs which shard. All actors use ``num_cpus=0`` (they wait on the network and the disk), so four workers fit
 on a 2-CPU local Ray; on a cluster the run folder must be on a file system every node sees.
@@ -29,7 +31,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +39,12 @@ from gym_ray.config.run_config import ConfigSource, RunConfig, resolve_run_confi
 from gym_ray.distributed.actors import (
     DEFAULT_CLOSE_GRACE_S,
     RunActors,
+    raise_if_control_actor_lost,
     stop_poller,
     teardown_actors,
 )
-from gym_ray.distributed.coordinator import FinalizeFn
-from gym_ray.distributed.driver import Planner
-from gym_ray.distributed.host import RunHost, host_max_concurrency
+from gym_ray.distributed.coordinator import FinalizeFn, RunCoordinator, coordinator_max_concurrency
+from gym_ray.distributed.driver import Planner, RunDriver, driver_max_concurrency, plan_from_config
 from gym_ray.distributed.live import (
     DEFAULT_PROGRESS_INTERVAL_S,
     ProgressHook,
@@ -52,8 +54,8 @@ from gym_ray.distributed.live import (
 )
 from gym_ray.distributed.placement import (
     WorkerPlacement,
+    control_actor_options,
     default_num_workers,
-    pinned_to_caller,
     ray_connection,
 )
 from gym_ray.distributed.worker import (
@@ -64,7 +66,6 @@ from gym_ray.distributed.worker import (
     worker_max_concurrency,
 )
 from gym_ray.errors import (
-    ActorLostError,
     InternalError,
     NoProgressError,
     UsageError,
@@ -82,41 +83,12 @@ DEFAULT_REBALANCE_S = 10.0
 if TYPE_CHECKING:
     from gym_ray.observe.tracing import Tracer
     from gym_ray.plan.first_pass import CheckedInput
-    from gym_ray.run.collect import ShardSpec
     from gym_ray.run.result import RunResult
 
 logger = logging.getLogger(__name__)
 
 #: Seconds cancelled workers get to close their shard writers before their actors are killed.
 DEFAULT_CANCEL_GRACE_S = 10.0
-
-
-def plan_from_config(
-    run: RunConfig, rows: Any = None, num_workers: int = 1, checked: CheckedInput | None = None
-) -> Iterator[ShardSpec]:
-    """Default planner (runs in the driver actor): validate the input rows, then plan the run lazily.
-
-    Uses :func:`gym_ray.plan.shards.iter_prepare_run`: a whole validation pass first (bad input raises before
-    anything is written), then each shard is cut, committed and yielded as the driver asks for it, so
-    shard 0 is handed out while the rest of the input is still being cut. On resume the existing shards
-    are verified by digest and reused.
-
-    Args:
-        run: The run's config, with the topology already resolved.
-        rows: ``None`` to read ``input_jsonl_fpath``, or an ``ObjectRef`` of a list of rows.
-        num_workers: Workers of the run (sizes shards automatically when ``shard_size`` is unset).
-        checked: The validation pass, run by the caller before Ray started
-            (:func:`gym_ray.plan.first_pass.validate_ahead`); the driver takes it over instead of
-            validating again when it runs on the same host.
-
-    Returns:
-        The planned shards, in input order (a generator: planning happens as it is consumed).
-    """
-    from gym_ray.plan.shards import iter_prepare_run
-
-    # This runs in a thread of the async driver actor: wait on the ref's future (ray.get would warn).
-    source: list[dict[str, Any]] | None = rows.future().result() if rows is not None else None
-    return iter_prepare_run(run, rows=source, num_workers=num_workers, checked=checked)
 
 
 async def run_actors(
@@ -140,8 +112,8 @@ async def run_actors(
 ) -> RunResult:
     """Run a planned collection on the Ray this process is connected to (Ray must be initialized).
 
-    Starts the run's host actor (the driver, with ``planner``, and the coordinator) and ``num_workers``
-    workers, supervises the workers (replacing dead ones), then finalizes through the coordinator.
+    Starts the run's coordinator actor, its driver actor (with ``planner``) and ``num_workers`` workers,
+    supervises the workers (replacing dead ones), then finalizes through the coordinator.
 
     Args:
         run: The run's config (shipped to every actor as this object).
@@ -196,26 +168,37 @@ async def run_actors(
         num_workers = cap
     shares = worker_shares(cap, num_workers)
     restarts_left = 2 * num_workers if max_worker_restarts is None else max_worker_restarts
-    host_concurrency = host_max_concurrency(num_workers, shards_in_flight)
+    driver_concurrency = driver_max_concurrency(num_workers, shards_in_flight)
+    coordinator_concurrency = coordinator_max_concurrency(num_workers, shards_in_flight)
     worker_concurrency = worker_max_concurrency(settings)
+    control = control_actor_options(settings.control_actors_resource)
     logger.info(
         "collect: %d workers x %d shard lanes, max_resident_tasks=%d and max_connections=%d per worker; "
-        "actor max_concurrency: host (driver and coordinator)=%d worker=%d; num_cpus=0 for every actor, "
-        "workers spread over the nodes with CPUs, the host on this node",
+        "actor max_concurrency: driver=%d coordinator=%d worker=%d; num_cpus=0 for every actor, "
+        "workers spread over the nodes with CPUs, driver and coordinator %s",
         num_workers,
         shards_in_flight,
         settings.max_resident_tasks,
         settings.max_connections,
-        host_concurrency,
+        driver_concurrency,
+        coordinator_concurrency,
         worker_concurrency,
+        "on this node"
+        if settings.control_actors_resource is None
+        else f"on a node with Ray resource {settings.control_actors_resource!r}",
     )
     # Actor handles are typed Any: Ray's stubs do not type ``.remote`` calls of plain classes.
-    host: Any = (
-        ray.remote(RunHost)
-        .options(max_concurrency=host_concurrency, **pinned_to_caller())
-        .remote(run_dir, run, planner, lookahead=2 * num_workers, finalize_fn=finalize_fn)
+    coordinator: Any = (
+        ray.remote(RunCoordinator)
+        .options(max_concurrency=coordinator_concurrency, **control)
+        .remote(run_dir, run, finalize_fn=finalize_fn)
     )
-    actors = RunActors(host=host)
+    driver: Any = (
+        ray.remote(RunDriver)
+        .options(max_concurrency=driver_concurrency, **control)
+        .remote(planner, lookahead=2 * num_workers, coordinator=coordinator)
+    )
+    actors = RunActors(driver=driver, coordinator=coordinator)
     worker_class: Any = ray.remote(RolloutWorker)
     placement = WorkerPlacement()
     runs: dict[asyncio.Future[WorkerTotals], str] = {}
@@ -234,7 +217,7 @@ async def run_actors(
             actors.nodes[worker_id] = node
         handle: Any = worker_class.options(max_concurrency=worker_concurrency, **options).remote(
             worker_id,
-            host,
+            driver,
             worker_run,
             shard_fn=shard_fn,
             shards_in_flight=shards_in_flight,
@@ -254,12 +237,13 @@ async def run_actors(
 
     finished = False
     try:
-        # The host and the workers start at once (their processes start and import in parallel); the
-        # host starts planning as soon as it is up.
-        host_started = host.start.remote()
+        # The control actors and the workers start at once (their processes start and import in
+        # parallel); the driver starts planning as soon as it is up.
+        driver_started = driver.start.remote()
+        coordinator_up = coordinator.pid.remote()
         initial = [f"w{index}" for index in range(num_workers)]
         workers_up = [create_worker(w, share).pid.remote() for w, share in zip(initial, shares, strict=True)]
-        await host_started
+        await asyncio.gather(driver_started, coordinator_up)
         # Start line: every worker process is up before any pulls, so early workers cannot take the
         # whole first wave of shards. A worker that failed to start fails its run() and is replaced.
         await asyncio.gather(*workers_up, return_exceptions=True)
@@ -270,13 +254,13 @@ async def run_actors(
             on_started(actors)
         if on_progress is not None:
             poller = asyncio.ensure_future(
-                poll_progress(host, live_workers, on_progress, interval_s=progress_interval_s)
+                poll_progress(coordinator, live_workers, on_progress, interval_s=progress_interval_s)
             )
         moving: str | None = None
         while runs:
             done, _ = await asyncio.wait(runs, timeout=rebalance_every_s, return_when=asyncio.FIRST_COMPLETED)
             if not done and moving is None:
-                moving = await _move_a_worker(host, placement, actors)
+                moving = await _move_a_worker(driver, placement, actors)
             for call in done:
                 worker_id = runs.pop(call)
                 try:
@@ -289,18 +273,18 @@ async def run_actors(
                         launch(replacement)
                 except ray.exceptions.RayActorError as exc:
                     moving = None if worker_id == moving else moving
-                    # A worker's run() also fails when the host actor it talks to died: name that actor
-                    # instead of blaming (and replacing) the workers.
-                    await _raise_if_run_actor_lost(actors, run_dir)
+                    # A worker's run() also fails when a control actor it talks to died: name that
+                    # actor instead of blaming (and replacing) the workers.
+                    await raise_if_control_actor_lost(actors, run_dir)
                     actors.lost.append(worker_id)
-                    requeued = await host.worker_lost.remote(worker_id)
+                    requeued = await driver.worker_lost.remote(worker_id)
                     logger.warning(
                         "collect: worker %s died (%s); re-queued %d shards",
                         worker_id,
                         type(exc).__name__,
                         len(requeued),
                     )
-                    status = await host.status.remote()
+                    status = await driver.status.remote()
                     if not status.finished and restarts_left > 0:
                         restarts_left -= 1
                         replacement = f"w{next_index}"
@@ -311,8 +295,9 @@ async def run_actors(
         await stop_poller(poller)
         if on_progress is not None:
             # Every report is in; the workers (still up) add what their failed shards wrote: exact.
-            on_progress(await progress_snapshot(host, live_workers()))
-        status = await host.status.remote()
+            on_progress(await progress_snapshot(coordinator, live_workers()))
+        await driver.stop_planning.remote()
+        status = await driver.status.remote()
         if status.plan_error is not None:
             raise status.plan_error
         if status.failures:
@@ -326,21 +311,25 @@ async def run_actors(
                 f"{status.queued} shards are unfinished in {run_dir}. "
                 "Run again on the same output_dir to resume"
             )
-        result: RunResult = await host.finalize.remote(
-            num_workers=num_workers, wall_s=time.monotonic() - started
+        # The closing counts come from the workers' shard reports when the run handed every shard out
+        # once and lost no worker: each shard then had one writer, under its lock, from its resume plan
+        # to its report, as in a single-process run. Otherwise the shards are read again.
+        once = status.requeued_total == 0 and not status.lost_workers
+        result: RunResult = await coordinator.finalize.remote(
+            num_workers=num_workers, wall_s=time.monotonic() - started, counts_from_reports=once
         )
         finished = True
         from gym_ray.record.metrics_summary import adopt_written_summary
 
-        # The caller prints the headline from the host's summary, not from a second read of the metrics
-        # file; if the host cannot say (it just died), the file is read.
+        # The caller prints the headline from the coordinator's summary, not from a second read of the
+        # metrics file; if the coordinator cannot say (it just died), the file is read.
         try:
-            adopt_written_summary(await host.written_metrics_summary.remote())
+            adopt_written_summary(await coordinator.written_metrics_summary.remote())
         except ray.exceptions.RayError as exc:
-            logger.debug("collect: the host's metrics summary is not available: %s", exc)
+            logger.debug("collect: the coordinator's metrics summary is not available: %s", exc)
         return result
     except ray.exceptions.RayActorError:
-        await _raise_if_run_actor_lost(actors, run_dir)
+        await raise_if_control_actor_lost(actors, run_dir)
         raise
     finally:
         await stop_poller(poller)
@@ -349,16 +338,16 @@ async def run_actors(
         )
 
 
-async def _move_a_worker(host: Any, placement: WorkerPlacement, actors: RunActors) -> str | None:
+async def _move_a_worker(driver: Any, placement: WorkerPlacement, actors: RunActors) -> str | None:
     """Retire one worker of a crowded node when a node with CPUs has none (see ``rebalance_every_s``)."""
     worker_id = placement.worker_to_move(actors.live())
     if worker_id is None:
         return None
-    status = await host.status.remote()
+    status = await driver.status.remote()
     if status.finished or (status.plan_done and not status.queued):
         return None  # nothing left to hand out: moving would not add work anywhere
     actors.moved.append(worker_id)
-    await host.retire.remote(worker_id)
+    await driver.retire.remote(worker_id)
     logger.info("collect: a node without workers joined; worker %s finishes its shards and moves", worker_id)
     return worker_id
 
@@ -375,37 +364,6 @@ def worker_shares(cap: int | None, num_workers: int) -> list[int | None]:
         return [None] * num_workers
     base, extra = divmod(cap, num_workers)
     return [base + (1 if index < extra else 0) for index in range(num_workers)]
-
-
-#: Seconds a liveness probe of the host actor may take before it counts as alive (busy).
-_PROBE_S = 30.0
-
-
-async def _raise_if_run_actor_lost(actors: RunActors, run_dir: str) -> None:
-    """Raise :class:`ActorLostError` naming the run's host actor (driver and coordinator) when it died."""
-    import ray
-
-    try:
-        await asyncio.wait_for(asyncio.wrap_future(actors.host.pid.remote().future()), _PROBE_S)
-    except ray.exceptions.RayActorError as exc:
-        reason = (str(exc).strip().splitlines() or ["no reason given"])[0]
-        raise ActorLostError(
-            f"the run's driver and coordinator actor ({RunHost.__name__}) died ({reason[:200]}); the run "
-            f"cannot go on without it; {resume_hint(run_dir)}",
-            role="driver",
-            run_dir=run_dir,
-        ) from None
-    except TimeoutError:
-        return  # busy, not dead
-
-
-def resume_hint(run_dir: str) -> str:
-    """One sentence on whether a rerun continues ``run_dir`` (true only when the folder holds a plan)."""
-    from gym_ray.plan.run_manifest import RUN_MANIFEST
-
-    if (Path(run_dir) / RUN_MANIFEST).exists():
-        return f"the run folder {run_dir} is resumable: rerun the same command to run only what is missing"
-    return f"nothing was recorded in {run_dir}: rerun the same command to start over"
 
 
 async def acollect(
@@ -458,7 +416,7 @@ async def acollect(
         ResumeError: The folder holds another run (config, input, plan settings; servers at other
             addresses without ``use_new_config``), before Ray starts and with nothing written.
         GymRayError: Planning or a shard failed; the run folder is resumable.
-        ActorLostError: The run's host actor (driver and coordinator) died; the run folder is resumable.
+        ActorLostError: The run's driver or coordinator actor died; the run folder is resumable.
         IncompleteRunError: ``require_complete`` and the run is not complete.
         CancelledError: Cancelled; the actors are stopped, the run folder is resumable.
     """

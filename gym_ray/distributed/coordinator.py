@@ -1,5 +1,5 @@
-"""The coordinator: learns of each finished shard, keeps the run's status, finalizes the run (served, with
-the driver, by the run's host actor, :mod:`gym_ray.distributed.host`).
+"""The coordinator: learns of each finished shard, keeps the run's status, finalizes the run (the run's
+coordinator actor is this class made remote, on the caller's node by default).
 
 Workers send one :class:`~gym_ray.run.result.ShardReport` per shard they ran (with that call's successes by
 environment server and reward sums, for the live progress view); the driver sends each planned
@@ -35,6 +35,7 @@ from gym_ray.record.atomic import atomic_write_bytes
 if TYPE_CHECKING:
     from gym_ray.config.run_config import RunConfig
     from gym_ray.dispatch.client import ServerClient
+    from gym_ray.record.metrics_summary import WrittenSummary
     from gym_ray.run.collect import RunPlan, ShardSpec
     from gym_ray.run.result import RunResult, ShardReport
 
@@ -42,6 +43,12 @@ logger = logging.getLogger(__name__)
 
 #: Summary file key holding the distributed figures.
 DISTRIBUTED_KEY = "distributed"
+
+
+def coordinator_max_concurrency(num_workers: int, shards_per_worker: int) -> int:
+    """The coordinator actor's ``max_concurrency``: every worker lane's report may arrive at once (through
+    the driver), plus progress polls and control calls."""
+    return num_workers * shards_per_worker + 16
 
 
 class FinalizeFn(Protocol):
@@ -100,8 +107,8 @@ def _default_finalize() -> FinalizeFn:
 class RunCoordinator:
     """Records shard reports, keeps the run status, and finalizes the run.
 
-    Served by the run's :class:`~gym_ray.distributed.host.RunHost` actor (plain Python: it also works in one
-    event loop).
+    Run as a Ray async actor (``ray.remote(RunCoordinator).options(num_cpus=0, max_concurrency=...)``, see
+    :func:`coordinator_max_concurrency`); plain Python, so it also works in one event loop.
 
     Args:
         run_dir: The run folder.
@@ -162,8 +169,8 @@ class RunCoordinator:
     ) -> None:
         """Count one shard's report (idempotent per shard for ``shards_done``; counts add up, see module).
 
-        Plain, not async: the run host calls it under the driver's lock, only for a completion the
-        driver accepts (:meth:`~gym_ray.distributed.host.RunHost.report_shard`).
+        Called by the driver actor under its hand-out lock, only for a completion it accepts
+        (:meth:`~gym_ray.distributed.driver.RunDriver.report_shard`).
 
         Args:
             report: What the shard's ``run_shard`` call did.
@@ -227,6 +234,14 @@ class RunCoordinator:
     async def timings(self) -> list[ShardTiming]:
         """Every shard report's timing, in arrival order."""
         return list(self._timings)
+
+    async def written_metrics_summary(self) -> WrittenSummary | None:
+        """The summary of the metrics file this process wrote last (after :meth:`finalize`: the run's), so
+        the caller can print the run's headline without reading the file (see
+        :func:`gym_ray.record.aggregate.adopt_written_summary`)."""
+        from gym_ray.record.metrics_summary import written_summary
+
+        return written_summary()
 
     async def finalize(
         self, *, num_workers: int, wall_s: float | None = None, counts_from_reports: bool = False

@@ -1,5 +1,5 @@
-"""The driver: owns a run's plan and hands shards to workers on request (served, with the coordinator, by
-the run's host actor, :mod:`gym_ray.distributed.host`).
+"""The driver: owns a run's plan and hands shards to workers on request (served by the run's driver actor,
+:class:`RunDriver`, which tells the coordinator actor of each planned shard and each accepted report).
 
 Workers pull (``next_shard``); nothing is split statically, so a fast worker takes more shards and a
 straggler holds only the shards it is running. The driver tracks which worker holds which shard; when a
@@ -32,18 +32,22 @@ It is IO bound: its actor needs ``num_cpus=0`` and ``max_concurrency`` at least 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gym_ray.errors import GymRayError, InternalError, ShardLockError
 
 if TYPE_CHECKING:
+    from gym_ray.config.run_config import RunConfig
+    from gym_ray.plan.first_pass import CheckedInput
     from gym_ray.run.collect import ShardSpec
+    from gym_ray.run.result import ShardReport
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +92,8 @@ class DriverStatus:
 class ShardDriver:
     """Owns the plan; hands out shards pull-based; re-queues a dead worker's shards.
 
-    Served by the run's :class:`~gym_ray.distributed.host.RunHost` actor; the class is plain Python so it
-    also works, and is tested, in one event loop.
+    Served by the run's :class:`RunDriver` actor; the class is plain Python so it also works, and is
+    tested, in one event loop.
 
     Args:
         planner: Yields the run's shards in order, each already written to the run folder. Called once,
@@ -254,7 +258,7 @@ class ShardDriver:
             return spec
 
     async def shard_finished(
-        self, worker_id: str, shard: str, *, accepted: Callable[[], None] | None = None
+        self, worker_id: str, shard: str, *, accepted: Callable[[], Awaitable[Any] | None] | None = None
     ) -> bool:
         """Record that ``worker_id`` completed ``shard``. False (ignored) if it no longer owns it.
 
@@ -274,7 +278,9 @@ class ShardDriver:
                 )
                 return False
             if accepted is not None:
-                accepted()
+                counted = accepted()
+                if inspect.isawaitable(counted):
+                    await counted
             del self._owner[shard]
             self._by_worker[worker_id].discard(shard)
             self._completed.add(shard)
@@ -367,3 +373,70 @@ class ShardDriver:
         async with cond:
             await cond.wait_for(self._finished)
         return await self.status()
+
+
+def plan_from_config(
+    run: RunConfig, rows: Any = None, num_workers: int = 1, checked: CheckedInput | None = None
+) -> Iterator[ShardSpec]:
+    """Default planner (runs in the driver actor, which imports only this module and planning's): validate
+    the input rows, then plan the run lazily.
+
+    Uses :func:`gym_ray.plan.shards.iter_prepare_run`: a whole validation pass first (bad input raises before
+    anything is written), then each shard is cut, committed and yielded as the driver asks for it, so
+    shard 0 is handed out while the rest of the input is still being cut. On resume the existing shards
+    are verified by digest and reused.
+
+    Args:
+        run: The run's config, with the topology already resolved.
+        rows: ``None`` to read ``input_jsonl_fpath``, or an ``ObjectRef`` of a list of rows.
+        num_workers: Workers of the run (sizes shards automatically when ``shard_size`` is unset).
+        checked: The validation pass, run by the caller before Ray started
+            (:func:`gym_ray.plan.first_pass.validate_ahead`); the driver takes it over instead of
+            validating again when it runs on the same host.
+
+    Returns:
+        The planned shards, in input order (a generator: planning happens as it is consumed).
+    """
+    from gym_ray.plan.shards import iter_prepare_run
+
+    # This runs in a thread of the async driver actor: wait on the ref's future (ray.get would warn).
+    source: list[dict[str, Any]] | None = rows.future().result() if rows is not None else None
+    return iter_prepare_run(run, rows=source, num_workers=num_workers, checked=checked)
+
+
+class RunDriver(ShardDriver):
+    """The driver actor: a :class:`ShardDriver` that tells the run's coordinator actor of every planned shard
+    (``plan_progress``) and of every finished shard it accepts (``record_report``).
+
+    Run as a Ray async actor (``ray.remote(RunDriver).options(num_cpus=0, max_concurrency=...)``, see
+    :func:`driver_max_concurrency`). Workers call :meth:`next_shard`, :meth:`report_shard` and
+    :meth:`~ShardDriver.shard_failed`; the caller supervises through the rest.
+
+    Args:
+        planner: As :class:`ShardDriver`.
+        lookahead: As :class:`ShardDriver`.
+        coordinator: Handle of the run's :class:`~gym_ray.distributed.coordinator.RunCoordinator` actor.
+    """
+
+    def __init__(self, planner: Planner, *, lookahead: int, coordinator: Any) -> None:
+        super().__init__(planner, lookahead=lookahead, on_planned=self._tell_planned)
+        self._coordinator = coordinator
+
+    async def _tell_planned(self, spec: ShardSpec | None) -> None:
+        await self._coordinator.plan_progress.remote(spec)
+
+    async def report_shard(
+        self, worker_id: str, report: ShardReport, by_server: dict[str, tuple[int, float]] | None = None
+    ) -> bool:
+        """A worker's finished shard: completed and its report counted by the coordinator as one step.
+
+        The report goes to the coordinator under the hand-out lock, only when the completion is accepted
+        (see :meth:`ShardDriver.shard_finished`): a worker that dies right after has its shard counted once
+        and not re-queued; one declared lost before has its report ignored (the re-run's counts). Returns
+        False (nothing counted) if ``worker_id`` no longer owns the shard.
+        """
+
+        async def count() -> None:
+            await self._coordinator.record_report.remote(report, by_server)
+
+        return await self.shard_finished(worker_id, report.shard, accepted=count)

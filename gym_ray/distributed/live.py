@@ -26,7 +26,7 @@ a time window, :mod:`gym_ray.observe.rate`), ending with the servers that look d
 servers are down (or back) is written at once, not at the next ``interval_s``.
 
 Concurrency: :func:`poll_progress` is one loop owned by its caller (``run_actors`` cancels and joins it);
-each poll issues one ``run_status`` call to the run's host actor and one ``progress`` call per live worker.
+each poll issues one ``status`` call to the run's coordinator actor and one ``progress`` call per live worker.
 """
 
 from __future__ import annotations
@@ -76,16 +76,15 @@ class ProgressSnapshot:
 ProgressHook = Callable[[ProgressSnapshot], None]
 
 
-async def progress_snapshot(host: Any, workers: Iterable[Any]) -> ProgressSnapshot:
+async def progress_snapshot(coordinator: Any, workers: Iterable[Any]) -> ProgressSnapshot:
     """One poll: the coordinator's finished-shard counts plus every reachable worker's running shards.
 
     Args:
-        host: Handle of the run's :class:`~gym_ray.distributed.host.RunHost` (its coordinator's
-            ``run_status``).
+        coordinator: Handle of the run's :class:`~gym_ray.distributed.coordinator.RunCoordinator` actor.
         workers: Handles of the live :class:`~gym_ray.distributed.worker.RolloutWorker` actors; a worker
             that does not answer (it died) is left out.
     """
-    status = await host.run_status.remote()
+    status = await coordinator.status.remote()
     answers = await asyncio.gather(*(w.progress.remote() for w in workers), return_exceptions=True)
     done = status.succeeded + status.failed + status.already_done
     failed = status.failed
@@ -122,7 +121,7 @@ def _merged(
 
 
 async def poll_progress(
-    host: Any,
+    coordinator: Any,
     workers: Callable[[], Iterable[Any]],
     on_progress: ProgressHook,
     *,
@@ -134,7 +133,7 @@ async def poll_progress(
     propagates.
 
     Args:
-        host: Handle of the run's host actor (the coordinator's counts).
+        coordinator: Handle of the run's coordinator actor (the finished shards' counts).
         workers: Returns the live worker handles at each poll (replacements appear, dead ones go).
         on_progress: Receives each snapshot (runs in this event loop; keep it cheap).
         interval_s: Seconds between polls.
@@ -142,7 +141,7 @@ async def poll_progress(
     while True:
         await asyncio.sleep(interval_s)
         try:
-            snapshot = await progress_snapshot(host, list(workers()))
+            snapshot = await progress_snapshot(coordinator, list(workers()))
         except Exception as exc:
             logger.debug("progress: poll skipped: %s: %s", type(exc).__name__, exc)
             continue

@@ -12,7 +12,7 @@
   workers first, so workers spread by construction and a lost node's replacements go to the others.
   The affinity is hard (Ray's soft affinity was seen placing actors elsewhere while the chosen node had
   room): a worker whose node is gone before it starts fails to start and is replaced like a lost one.
-- :func:`pinned_to_caller` keeps the run's host actor (the driver and the coordinator) on the caller's
+- :func:`pinned_to_caller` keeps the run's control actors (the driver and the coordinator) on the caller's
   node (usually the head), whose loss ends the run anyway.
 
 What a local Ray costs (Ray 2.60, read from ``ray/_private/node.py`` and ``services.py``): ``ray.init``
@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
-from gym_ray.errors import GymRayError
+from gym_ray.errors import ConfigError, GymRayError
 
 #: Upper bound of the default worker count (one worker drives hundreds of rollouts at once).
 MAX_DEFAULT_WORKERS = 16
@@ -251,6 +251,37 @@ def _affinity(node_id: str) -> Any:
 def pinned_to_caller() -> dict[str, Any]:
     """Ray actor options that place an actor on the caller's node."""
     return {"num_cpus": 0, "scheduling_strategy": _affinity(current_node_id())}
+
+
+#: How much of ``control_actors_resource`` each control actor asks for: any node holding the resource
+#: takes both (and other runs' control actors).
+CONTROL_RESOURCE_SHARE = 0.001
+
+
+def control_actor_options(resource: str | None) -> dict[str, Any]:
+    """Ray actor options of a run's driver and coordinator actors: the caller's node, or (``resource``)
+    any node holding that custom Ray resource (a job submitter that is not a cluster node).
+
+    Raises:
+        ConfigError: No node of the cluster holds ``resource`` (the actors would wait forever).
+    """
+    if resource is None:
+        return pinned_to_caller()
+    import ray
+
+    held: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    if held.get(resource, 0) < CONTROL_RESOURCE_SHARE:
+        custom = sorted(k for k in held if k not in _RAY_BUILTIN and not k.startswith("node:"))
+        raise ConfigError(
+            f"control_actors_resource={resource!r}: no node of this Ray cluster holds that resource "
+            f"(custom resources: {', '.join(custom) or 'none'}); start a node with "
+            f"`ray start --resources='{{\"{resource}\": 1}}'` or leave the setting out to place the "
+            "driver and the coordinator on this node"
+        )
+    return {"num_cpus": 0, "resources": {resource: CONTROL_RESOURCE_SHARE}}
+
+
+_RAY_BUILTIN = frozenset({"CPU", "GPU", "memory", "object_store_memory", "accelerator_type"})
 
 
 class WorkerPlacement:

@@ -184,8 +184,8 @@ class RolloutWorker:
 
     Args:
         worker_id: This worker's name (unique in the run; a replacement gets a new name).
-        host: Handle of the run's :class:`~gym_ray.distributed.host.RunHost` actor (the shard driver and
-            the coordinator).
+        driver: Handle of the run's :class:`~gym_ray.distributed.driver.RunDriver` actor (shards out,
+            reports and failures in).
         config: The plain global config (the topology and the tracer are built from it inside the actor).
         settings: The run's settings (``max_resident_tasks``, ``max_connections``, timeouts, ...).
         shard_fn: Runs one shard; :func:`gym_ray.run.collect.run_shard` by default.
@@ -198,7 +198,7 @@ class RolloutWorker:
     def __init__(
         self,
         worker_id: str,
-        host: Any,
+        driver: Any,
         run: RunConfig,
         *,
         shard_fn: ShardFn | None = None,
@@ -210,7 +210,7 @@ class RolloutWorker:
         if shards_in_flight < 1:
             raise InternalError(f"shards_in_flight must be >= 1, got {shards_in_flight}")
         self._worker_id = worker_id
-        self._host = host
+        self._driver = driver
         self._run = run
         self._settings = run.settings
         self._shard_fn = shard_fn or _default_shard_fn()
@@ -335,7 +335,7 @@ class RolloutWorker:
         )
 
     async def _next_spec(self) -> ShardSpec | None:
-        spec: ShardSpec | None = await self._host.next_shard.remote(self._worker_id)
+        spec: ShardSpec | None = await self._driver.next_shard.remote(self._worker_id)
         return spec
 
     async def _run_counted(
@@ -376,7 +376,7 @@ class RolloutWorker:
         self._failed_by_class.update(report.failed_by_class)
         # One call counts the report and completes the shard together: a worker dying in between cannot
         # leave its shard counted and re-queued (counted twice). A re-run counts only what it wrote.
-        await self._host.report_shard.remote(self._worker_id, report, tally.servers())
+        await self._driver.report_shard.remote(self._worker_id, report, tally.servers())
 
     async def _on_error(self, spec: ShardSpec, exc: Exception) -> None:
         written = self._live.pop(spec.shard, None)
@@ -403,4 +403,4 @@ class RolloutWorker:
         logger.warning(
             "worker %s: shard %s failed: %s: %s", self._worker_id, spec.shard, type(exc).__name__, exc
         )
-        await self._host.shard_failed.remote(failure)
+        await self._driver.shard_failed.remote(failure)

@@ -46,9 +46,6 @@ from gym_ray.record.attempt_log import AttemptAnnouncer
 from gym_ray.record.run_lock import holding_run_folder
 from gym_ray.record.writer import ShardWriter
 from gym_ray.run._tasks import first_error, in_stoppable_thread
-from gym_ray.run.finalize import finalize_run
-from gym_ray.run.folder_check import check_run_folder
-from gym_ray.run.preflight import planning_note, preflight
 from gym_ray.run.result import RunResult, ShardReport
 from gym_ray.run.row_counts import ShardRowTally
 from gym_ray.run.stage_cpu import current_stage_cpu, measuring, stage_cpu_scope
@@ -394,6 +391,10 @@ async def acollect_local(
         ServerOutageError: An environment server stayed down past ``server_outage_timeout_s`` (resumable).
         IncompleteRunError: ``require_complete`` and the run is not complete.
     """
+    # Imported here, not at the top: a worker actor imports this module for run_shard alone.
+    from gym_ray.run.folder_check import check_run_folder
+    from gym_ray.run.preflight import preflight
+
     started = time.monotonic()
     if require_complete:
         settings = {**settings, "require_complete": True}  # finalize_run raises when the run is incomplete
@@ -421,6 +422,9 @@ async def _collect_locked(
     progress_every_s: float,
     started: float,
 ) -> RunResult:
+    from gym_ray.run.finalize import finalize_run
+    from gym_ray.run.preflight import planning_note
+
     shown = sys.stderr.isatty() if progress is None else progress
     note = planning_note(run.settings, before_ray=False) if shown and rows is None else None
     if note is not None:  # a large input takes seconds to validate and cut: say so

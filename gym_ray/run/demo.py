@@ -182,7 +182,7 @@ def run_main(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, OSError, RecordError) as exc:
         # Stopped, or the run folder failed (a full disk: ShardIOError names the shard's file): say whether
         # a rerun continues. A second run refused at the folder's lock has nothing of its own to resume.
-        from gym_ray.distributed.api import resume_hint
+        from gym_ray.distributed.actors import resume_hint
 
         says_rerun = "rerun" in str(exc)  # planning's own RecordError already tells how to go on
         if run.settings.output_dir is not None and not isinstance(exc, RunLockError) and not says_rerun:

@@ -69,7 +69,7 @@ async def finalize_run(
     only when each shard had one writer, under its lock, from the resume plan its call made to its report,
     so no other writer can have appended since: a single-process run (one call per shard, under the run
     folder's lock), or a Ray run whose driver handed every shard out once and lost no worker
-    (:meth:`~gym_ray.distributed.host.RunHost.finalize`). Every other shard (none or several reports, no
+    (:func:`~gym_ray.distributed.api.run_actors`). Every other shard (none or several reports, no
     rows in its report) is read again.
     """
     reports = list(reports)

@@ -15,8 +15,10 @@ def test_each_process_of_a_ray_run_gets_its_role() -> None:
     seen = {
         "ray::RolloutWorker": "workers",
         "ray::RolloutWorker.run": "workers",
-        "ray::RunHost.finalize": "host",
-        "ray::RunHost": "host",
+        "ray::RunCoordinator.finalize": "coordinator",
+        "ray::RunCoordinator": "coordinator",
+        "ray::RunDriver.next_shard": "driver",
+        "ray::RunDriver": "driver",
         "ray::DashboardAgent": "ray",
         "ray::RuntimeEnvAgent": "ray",
         "ray::IDLE": "ray",
@@ -58,6 +60,6 @@ def test_the_tree_cpu_is_split_by_role_and_sums_to_the_whole(tmp_path: Path) -> 
     # each burns 0.8 s; the last sample before a process exits may be up to one interval (0.2 s) short
     assert split["workers"] >= 0.5
     assert split["helpers"] >= 0.5
-    assert split["host"] == split["ray"] == 0
+    assert split["driver"] == split["coordinator"] == split["ray"] == 0
     assert split["caller"] > 0
     assert abs(sum(split.values()) - figures["cpu_s"]) < 0.01

@@ -139,7 +139,7 @@ async def test_a_frozen_worker_whose_shard_was_taken_over_fails_its_next_write(
 
         await _until("the actors to start", actors_started)
         actors = started[0]
-        driver, zombie = actors.host, actors.workers["w1"]
+        driver, zombie = actors.driver, actors.workers["w1"]
         zombie_pid, holder_pid = await asyncio.gather(zombie.pid.remote(), actors.workers["w0"].pid.remote())
         lock = contextlib.ExitStack()
         try:

@@ -33,6 +33,38 @@ def _note_opentelemetry(note_dir: str, role: str) -> None:
     Path(note_dir, f"{role}-{os.getpid()}.json").write_text(json.dumps(loaded))
 
 
+def _note_gym_ray(note_dir: str, role: str) -> None:
+    """Write which ``gym_ray`` modules this process has loaded to ``note_dir/<role>-<pid>.json``."""
+    loaded = sorted(name for name in sys.modules if name.split(".")[0] == "gym_ray")
+    Path(note_dir, f"{role}-{os.getpid()}.json").write_text(json.dumps(loaded))
+
+
+def plan_noting_gym_ray(note_dir: str, *args: Any, **kwargs: Any) -> Any:
+    """:func:`gym_ray.distributed.driver.plan_from_config`, then a note from the driver's process."""
+    from gym_ray.distributed.driver import plan_from_config
+
+    yield from plan_from_config(*args, **kwargs)
+    _note_gym_ray(note_dir, "driver")
+
+
+async def shard_noting_gym_ray(note_dir: str, spec: Any, **kwargs: Any) -> Any:
+    """:func:`gym_ray.run.collect.run_shard`, then a note of the worker's ``gym_ray`` modules."""
+    from gym_ray.run.collect import run_shard
+
+    report = await run_shard(spec, **kwargs)
+    _note_gym_ray(note_dir, "worker")
+    return report
+
+
+async def finalize_noting_gym_ray(note_dir: str, plan: Any, reports: Any, **kwargs: Any) -> Any:
+    """:func:`gym_ray.run.finalize.finalize_run`, then a note of the coordinator's ``gym_ray`` modules."""
+    from gym_ray.run.finalize import finalize_run
+
+    result = await finalize_run(plan, reports, **kwargs)
+    _note_gym_ray(note_dir, "coordinator")
+    return result
+
+
 async def shard_noting_modules(note_dir: str, spec: Any, **kwargs: Any) -> Any:
     """:func:`gym_ray.run.collect.run_shard`, then a note from the worker's process."""
     from gym_ray.run.collect import run_shard
@@ -43,17 +75,17 @@ async def shard_noting_modules(note_dir: str, spec: Any, **kwargs: Any) -> Any:
 
 
 async def finalize_noting_modules(note_dir: str, plan: Any, reports: Any, **kwargs: Any) -> Any:
-    """:func:`gym_ray.run.finalize.finalize_run`, then a note from the host actor's process."""
+    """:func:`gym_ray.run.finalize.finalize_run`, then a note from the coordinator actor's process."""
     from gym_ray.run.finalize import finalize_run
 
     result = await finalize_run(plan, reports, **kwargs)
-    _note_opentelemetry(note_dir, "host")
+    _note_opentelemetry(note_dir, "coordinator")
     return result
 
 
 async def finalize_noting_counts(note_dir: str, plan: Any, reports: Any, **kwargs: Any) -> Any:
-    """:func:`gym_ray.run.finalize.finalize_run`, noting whether the host asked it to count rows from the
-    shard reports (``note_dir/counts_from_reports.json``)."""
+    """:func:`gym_ray.run.finalize.finalize_run`, noting whether the coordinator was asked to count rows
+    from the shard reports (``note_dir/counts_from_reports.json``)."""
     from gym_ray.run.finalize import finalize_run
 
     _write(Path(note_dir, "counts_from_reports.json"), json.dumps(kwargs.get("counts_from_reports")))

@@ -4,17 +4,19 @@ Run as ``python -m tests.distributed.multinode_scenarios WORKDIR`` with ``RAY_TM
 private folder (the cluster then cannot be joined by another process's ``ray.init()``). The last line of
 stdout is a JSON report that tests/distributed/test_multinode.py asserts on.
 
-Cluster: a head node with ``num_cpus=0`` (it holds the caller and the run's host actor: the driver and the
-coordinator) and two worker nodes with one CPU each; reference servers in this process, 40 ms per rollout.
+Cluster: a head node with ``num_cpus=0`` (it holds the caller and the run's control actors: the driver and
+the coordinator) and two worker nodes with one CPU each; reference servers in this process, 40 ms per rollout.
 
 Scenarios, three runs on one cluster (a cluster start costs seconds):
-- ``spread``: 4 workers; where each one was placed and where it actually runs, and where the host actor
-  (driver and coordinator) runs.
+- ``spread``: 4 workers; where each one was placed and where it actually runs, where the driver and the
+  coordinator actors run, and the process id of every actor (one process each).
+- ``control_placed``: as ``spread`` with ``control_actors_resource`` naming a resource only the first
+  worker node holds: the driver and the coordinator run there, not on the caller's node.
 - ``node_loss``: 4 workers; once 60 rollouts are done, the second worker node is removed (its two
   workers die with it); the run must finish on the other node with nothing lost.
 - ``host_node_loss``: the run is started by a process on a third node (an actor there, as a Ray job's
-  driver placed with ``entrypoint_resources`` is), so the run's host actor (driver and coordinator) lives
-  there too; once 60 rollouts are done that node is removed. The caller and the host die with it, Ray ends
+  driver placed with ``entrypoint_resources`` is), so the run's driver and coordinator actors live
+  there too; once 60 rollouts are done that node is removed. The caller and both die with it, Ray ends
   the workers they owned, and running the same collection again from the head resumes: only what was not
   recorded runs, nothing lost and nothing twice.
 - ``node_added``: 4 workers on the one worker node left; a one-CPU node joins mid-run: one worker finishes
@@ -34,6 +36,7 @@ from typing import Any
 ROWS = 120
 REPEATS = 2
 NODE_OBJECT_STORE_BYTES = 80 * 1024 * 1024
+CONTROL_RESOURCE = "gym_ray_control"
 
 
 def _rows(count: int) -> list[dict[str, Any]]:
@@ -72,6 +75,7 @@ async def _one_run(
     add_node: bool = False,
     shard_size: int = 10,
     max_resident_tasks: int = 4,
+    control_resource: str | None = None,
 ) -> dict[str, Any]:
     """A 4-worker run of ``ROWS`` x ``REPEATS`` rollouts; removes ``lose_node`` after 60 finished rollouts,
     or adds a one-CPU node once the workers run (``add_node``)."""
@@ -89,6 +93,7 @@ async def _one_run(
             "shard_size": shard_size,
             "max_resident_tasks": max_resident_tasks,
             "num_repeats": REPEATS,
+            "control_actors_resource": control_resource,
         },
     )
     started: list[RunActors] = []
@@ -108,7 +113,11 @@ async def _one_run(
     report: dict[str, Any] = {"placed": {worker: actors.nodes.get(worker) for worker in initial}}
     nodes_now = await asyncio.gather(*(handle.node_id.remote() for handle in initial.values()))
     report["runs_on"] = dict(zip(initial, nodes_now, strict=True))
-    report["host_on"] = await actors.host.node_id.remote()  # the driver and the coordinator
+    report["driver_on"] = await actors.driver.node_id.remote()
+    report["coordinator_on"] = await actors.coordinator.node_id.remote()
+    # one process per actor: the driver, the coordinator and each worker
+    pids = [actors.driver.pid.remote(), actors.coordinator.pid.remote()]
+    report["pids"] = await asyncio.gather(*pids, *(handle.pid.remote() for handle in initial.values()))
     if lose_node is not None:
         await _until(lambda: _completed(servers) >= 60 or task.done(), "60 finished rollouts")
         cluster.remove_node(lose_node)
@@ -218,7 +227,11 @@ async def _scenarios(workdir: Path) -> dict[str, Any]:
         initialize_head=True,
         head_node_args={"num_cpus": 0, "object_store_memory": NODE_OBJECT_STORE_BYTES},
     )
-    nodes = [cluster.add_node(num_cpus=1, object_store_memory=NODE_OBJECT_STORE_BYTES) for _ in range(2)]
+    # the first worker node also holds the resource that places the control actors in ``control_placed``
+    nodes = [
+        cluster.add_node(num_cpus=1, object_store_memory=NODE_OBJECT_STORE_BYTES, resources=resources)
+        for resources in ({CONTROL_RESOURCE: 1}, {})
+    ]
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     cluster.wait_for_nodes()
     cfg = load_bundled_config()
@@ -228,6 +241,9 @@ async def _scenarios(workdir: Path) -> dict[str, Any]:
     try:
         with start_in_thread(cfg) as servers:
             report["spread"] = await _one_run(cluster, servers, workdir / "spread")
+            report["control_placed"] = await _one_run(
+                cluster, servers, workdir / "control_placed", control_resource=CONTROL_RESOURCE
+            )
             report["node_loss"] = await _one_run(cluster, servers, workdir / "node_loss", lose_node=nodes[1])
             report["host_node_loss"] = await _host_node_lost(cluster, servers, workdir / "host_node_loss")
         # 300 ms per rollout, 2 in flight per worker, 10 rollouts per shard: a run of ~10 s on one node,

@@ -18,7 +18,7 @@ import ray._private.state as ray_state
 from gym_ray import keys
 from gym_ray.config.run_config import resolve_run_config
 from gym_ray.distributed.api import acollect, plan_from_config, run_actors
-from gym_ray.errors import ValidationError
+from gym_ray.errors import ConfigError, ValidationError
 from gym_ray.plan.first_pass import validate_ahead
 from gym_ray.record.ledger import check_run
 from gym_ray.record.metrics_summary import read_metrics_summary, written_summary
@@ -312,3 +312,25 @@ async def test_closing_counts_come_from_the_reports_only_when_every_shard_ran_on
     assert (result.planned, result.succeeded, result.failed, result.pending) == (20, 18, 2, 0)
     assert (result.resumable, result.complete) == (2, False)
     assert check_run(tmp_path / "run").as_dict()["duplicates"] == 0
+
+
+async def test_a_control_actors_resource_no_node_holds_is_refused_before_anything_runs(
+    servers: ThreadedDeployment, ray_session: Any, tmp_path: Path
+) -> None:
+    servers.reset_stats()
+    with pytest.raises(ConfigError) as caught:
+        await acollect(
+            servers.config,
+            rows=_rows(4),
+            output_dir=str(tmp_path / "run"),
+            num_workers=1,
+            control_actors_resource="gym_ray_nowhere",
+            progress=False,
+        )
+    assert str(caught.value) == (
+        "control_actors_resource='gym_ray_nowhere': no node of this Ray cluster holds that resource "
+        "(custom resources: none); start a node with "
+        "`ray start --resources='{\"gym_ray_nowhere\": 1}'` or leave the setting out to place the driver "
+        "and the coordinator on this node"
+    )
+    assert sum(servers.stats(env).requests for env in ENVS) == 0

@@ -38,7 +38,7 @@ def report() -> dict[str, Any]:
         )
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    scenarios = ("spread", "node_loss", "host_node_loss", "node_added")
+    scenarios = ("spread", "control_placed", "node_loss", "host_node_loss", "node_added")
     print("multi-node figures:", json.dumps({k: result[k] for k in scenarios}, indent=1))
     return result
 
@@ -50,11 +50,21 @@ def test_workers_spread_over_the_cpu_nodes_and_the_driver_stays_on_the_callers_n
     node_a, node_b = report["nodes"]
     assert spread["placed"] == spread["runs_on"]  # placed by strategy, and Ray honoured it
     assert Counter(spread["runs_on"].values()) == {node_a: 2, node_b: 2}  # none on the 0-CPU head
-    assert spread["host_on"] == report["head"]  # the driver and the coordinator share one actor
+    assert spread["driver_on"] == spread["coordinator_on"] == report["head"]
+    assert len(set(spread["pids"])) == 2 + 4  # 1 driver + 1 coordinator + 4 workers, one process each
     assert (spread["planned"], spread["succeeded"], spread["failed"]) == (PLANNED, PLANNED, 0)
     assert spread["lost_workers"] == []
     assert spread["wasted_requests"] == 0
     assert spread["ledger"] == NO_LEDGER_FAULTS
+
+
+def test_control_actors_go_to_the_node_holding_the_named_resource(report: dict[str, Any]) -> None:
+    placed = report["control_placed"]
+    node_a, _ = report["nodes"]
+    assert placed["driver_on"] == placed["coordinator_on"] == node_a  # not the caller's node (the head)
+    assert (placed["planned"], placed["succeeded"], placed["failed"]) == (PLANNED, PLANNED, 0)
+    assert placed["wasted_requests"] == 0
+    assert placed["ledger"] == NO_LEDGER_FAULTS
 
 
 def test_a_lost_worker_node_requeues_its_shards_and_the_run_completes(report: dict[str, Any]) -> None:
@@ -77,8 +87,8 @@ def test_losing_the_node_of_the_caller_and_host_ends_the_run_and_running_it_agai
     report: dict[str, Any],
 ) -> None:
     lost = report["host_node_loss"]
-    # The run was started on the removed node, so its host actor (driver and coordinator) was there too:
-    # the host is pinned to the caller's node (see the spread test).
+    # The run was started on the removed node, so its driver and coordinator actors were there too: they
+    # are pinned to the caller's node (see the spread test).
     assert lost["caller_on"] == lost["node"]
     assert lost["first_run"] == "ActorDiedError"  # the caller died with its node: that run ended there
     # Running it again from the head resumed the same run: what was recorded before the loss was kept,

@@ -215,11 +215,10 @@ def test_sigterm_stops_like_ctrl_c_exit_143_and_the_rerun_completes(
     assert (report.ok, report.planned, report.settled) == (True, 60, 60)
 
 
-def test_a_killed_driver_and_coordinator_actor_is_named_and_the_folder_stays_resumable(
-    tmp_path: Path, slow_servers: ThreadedDeployment
+@pytest.mark.parametrize(("role", "actor"), [("driver", "RunDriver"), ("coordinator", "RunCoordinator")])
+def test_a_killed_control_actor_is_named_and_the_folder_stays_resumable(
+    tmp_path: Path, slow_servers: ThreadedDeployment, role: str, actor: str
 ) -> None:
-    # The driver and the coordinator share one actor process (RunHost): killing it loses both roles.
-    actor = "RunHost"
     out = tmp_path / "out"
     args = _slow_run_args(tmp_path, slow_servers, out)
     proc = subprocess.Popen(
@@ -233,9 +232,9 @@ def test_a_killed_driver_and_coordinator_actor_is_named_and_the_folder_stays_res
     try:
         _wait_for(lambda: _successes(out) >= 2, "the first recorded rollouts", proc)
         tree = [_cmdline(p) for p in _descendants(proc.pid)]
-        # One worker and one host: the run's actor processes, by class (Ray's own processes aside).
+        # A driver, a coordinator and one worker: the run's actor processes, by class (Ray's own aside).
         classes = Counter(c.split()[0].split(".")[0] for c in tree if c.startswith(_RUN_ACTORS))
-        assert classes == {"ray::RunHost": 1, "ray::RolloutWorker": 1}, tree
+        assert classes == {"ray::RunDriver": 1, "ray::RunCoordinator": 1, "ray::RolloutWorker": 1}, tree
         victims = [p for p in _descendants(proc.pid) if f"ray::{actor}" in _cmdline(p)]
         assert len(victims) == 1, tree
         victims[0].kill()
@@ -247,7 +246,7 @@ def test_a_killed_driver_and_coordinator_actor_is_named_and_the_folder_stays_res
     assert proc.returncode == 1, stderr
     assert len(stderr.splitlines()) == 1, stderr
     pattern = (
-        rf"gym-ray run: ActorLostError: the run's driver and coordinator actor \({actor}\) died \(.+\); "
+        rf"gym-ray run: ActorLostError: the run's {role} actor \({actor}\) died \(.+\); "
         rf"the run cannot go on without it; the run folder {re.escape(str(out))} is resumable: rerun the "
         "same command to run only what is missing"
     )
@@ -259,8 +258,8 @@ def test_a_killed_driver_and_coordinator_actor_is_named_and_the_folder_stays_res
     assert (report.ok, report.planned, report.settled) == (True, 60, 60)
 
 
-#: Process titles of gym_ray's actor classes, past and present (the driver and coordinator used to be two).
-_RUN_ACTORS = ("ray::RunHost", "ray::RolloutWorker", "ray::ShardDriver", "ray::RunCoordinator")
+#: Process titles of gym_ray's actor classes, past and present (one RunHost held both control roles once).
+_RUN_ACTORS = ("ray::RunHost", "ray::RolloutWorker", "ray::RunDriver", "ray::RunCoordinator")
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
