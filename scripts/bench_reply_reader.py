@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gym_ray.record.json_stream import iter_object
+from gym_ray.finalize.json_stream import iter_object
 
 LISTS = ("group_level_metrics", "repeat_level_metrics")
 

@@ -76,13 +76,13 @@ MODULES: tuple[str, ...] = (
     "_json.py",
     "plan/resume.py",
     "plan/validation.py",
-    "record/merge.py",
-    "record/_merge_shard.py",
+    "finalize/merge.py",
+    "finalize/_merge_shard.py",
     "record/writer.py",
     "record/shard_files.py",
     "record/recording.py",
-    "record/aggregate.py",
-    "record/_aggregate_spool.py",
+    "finalize/aggregate.py",
+    "finalize/_aggregate_spool.py",
     "dispatch/engine.py",
     "dispatch/_completion.py",
     "dispatch/helper.py",
@@ -124,22 +124,22 @@ DESELECT: dict[str, dict[str, str]] = {
         ),
         "tests/dispatch/test_dispatch_close.py::test_200k_generator_rows_keep_live_tasks_bounded_without_"
         "http": "200k rows (15 s): the bound on live tasks is checked by the 2,560-row and generator tests",
-        "tests/record/test_merge.py::test_merge_classifies_mutated_lines_like_the_jsonl_reader": (
+        "tests/finalize/test_merge.py::test_merge_classifies_mutated_lines_like_the_jsonl_reader": (
             "400 merges (6 s) pinning the fast parser's verdicts, which the crafted and random merge tests "
             "check too"
         ),
         # spawn pools and memory bounds
-        "tests/record/test_merge.py::test_process_pool_writes_the_same_bytes_and_counts_as_in_process": (
+        "tests/finalize/test_merge.py::test_process_pool_writes_the_same_bytes_and_counts_as_in_process": (
             "spawn pool: 15 s per mutant under mutmut (every pool process imports the mutated package); "
             "in-process sorting runs the same per-shard functions in every other merge test"
         ),
-        "tests/record/test_merge.py::test_error_in_a_pool_process_surfaces_like_in_process": (
+        "tests/finalize/test_merge.py::test_error_in_a_pool_process_surfaces_like_in_process": (
             "spawn pool (as above); the in-process half of the same error is pinned by the merge tests"
         ),
-        "tests/record/test_aggregate_memory.py::test_whole_call_memory_does_not_grow_with_the_tasks": (
+        "tests/finalize/test_aggregate_memory.py::test_whole_call_memory_does_not_grow_with_the_tasks": (
             "tracemalloc bound (7-13 s): it measures memory; the bytes it checks are pinned by faster tests"
         ),
-        "tests/record/test_aggregate_memory.py::test_request_side_memory_does_not_grow_with_the_results": (
+        "tests/finalize/test_aggregate_memory.py::test_request_side_memory_does_not_grow_with_the_results": (
             "tracemalloc bound (as above)"
         ),
     },

@@ -87,7 +87,7 @@ TRIAGED: dict[str, dict[str, str]] = {
             "xǁShardRecorderǁfailure_recorder__mutmut_1",
         ),
     },
-    "record/_merge_shard.py": {
+    "finalize/_merge_shard.py": {
         **_same(
             "the read bound (the file's size at open) differs only for a file that grows or shrinks while "
             "it is merged, which merge.py's docstring rules out (merge a run once its writers are done); a "
@@ -130,7 +130,7 @@ TRIAGED: dict[str, dict[str, str]] = {
             "x_reduce_shard__mutmut_33",
         ),
     },
-    "record/merge.py": {
+    "finalize/merge.py": {
         **_same("a wider key layout than needed is still exact", "x__hex_digits__mutmut_3"),
         **_same(
             "the name of the temp folder in the run folder: removed either way (tests check nothing is left)",
@@ -264,7 +264,7 @@ TRIAGED: dict[str, dict[str, str]] = {
             "xǁShardLockǁwrite_token__mutmut_10",
         ),
     },
-    "record/aggregate.py": {
+    "finalize/aggregate.py": {
         **_same(
             "the streamed lists are empty stand-ins when the reply is checked, so leaving them in the "
             "strict-JSON encoding changes nothing",
@@ -320,7 +320,7 @@ TRIAGED: dict[str, dict[str, str]] = {
             "xǁ_Validatorǁ__init____mutmut_11",
         ),
     },
-    "record/_aggregate_spool.py": {
+    "finalize/_aggregate_spool.py": {
         **_same(
             "a spool line's key prefix holds no whitespace but its two single spaces and the JSON text "
             "starts with '{', so splitting on any whitespace gives the same three parts",

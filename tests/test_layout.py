@@ -10,7 +10,7 @@ import pytest
 import gym_ray
 
 PACKAGE = Path(gym_ray.__file__).parent
-STAGES = ("config", "dispatch", "record", "plan", "run", "distributed", "streaming", "observe")
+STAGES = ("config", "dispatch", "record", "finalize", "plan", "run", "distributed", "streaming", "observe")
 #: Where the raw config dict may be parsed: the config package itself and the edges that take user input.
 PARSERS_ALLOWED = {
     "gym_ray.config.run_config",

@@ -18,8 +18,8 @@ from gym_ray.config.topology import Topology
 from gym_ray.dispatch.helper import RolloutCollectionHelper
 from gym_ray.distributed.api import worker_shares
 from gym_ray.errors import ConfigError, IncompleteRunError, ResumeError
+from gym_ray.finalize.nemo_layout import nemo_gym_paths
 from gym_ray.plan.preprocess import preprocess_examples, validate_rows
-from gym_ray.record.nemo_layout import nemo_gym_paths
 from gym_ray.run.collect import acollect_local
 from gym_ray.servers import (
     Deployment,

@@ -212,7 +212,7 @@ async def test_the_quality_reports_are_written_beside_the_output_as_0_7_writes_t
 
 
 def test_unreadable_and_duplicate_rollouts_are_judged_as_0_7_judges_them(tmp_path: Path) -> None:
-    from gym_ray.record.quality import write_quality_reports
+    from gym_ray.finalize.quality import write_quality_reports
 
     good = {"_ng_task_index": 0, "_ng_rollout_index": 0, "response": {"usage": {"prompt_tokens": 4}}}
     other = {"_ng_task_index": 0, "_ng_rollout_index": 1, "_ng_rollout_id": "x", "stage_index": 2}
@@ -286,7 +286,7 @@ def _quality_files(folder: Path) -> list[Path]:
 
 
 def test_rollouts_with_trajectory_evidence_get_no_report(tmp_path: Path) -> None:
-    from gym_ray.record.quality import write_quality_reports
+    from gym_ray.finalize.quality import write_quality_reports
 
     path = tmp_path / "r.jsonl"
     path.write_text(

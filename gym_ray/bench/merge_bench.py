@@ -1,4 +1,4 @@
-"""Benchmark: merging a run's shards (``gym_ray.record.merge.merge_shards``) -- throughput and peak memory.
+"""Benchmark: merging a run's shards (``gym_ray.finalize.merge.merge_shards``) -- throughput and peak memory.
 
 ``gym-ray bench merge``: writes ``shards`` shard success files holding ``rows`` realistic records (~300 bytes
 each: a short prompt, a response summary, reward and the identity keys collection writes), each shard a
@@ -105,7 +105,7 @@ def _children_cpu_s() -> float:
 
 def _child(run_dir: str) -> None:
     """Merge ``run_dir`` and print the child's figures as one JSON line."""
-    from gym_ray.record.merge import merge_shards
+    from gym_ray.finalize.merge import merge_shards
 
     baseline = _peak_rss_mb()
     children0 = _children_cpu_s()
@@ -131,6 +131,36 @@ def _child(run_dir: str) -> None:
     )
 
 
+def _child_ahead(run_dir: str) -> None:
+    """Reduce every shard ahead of the merge (as the coordinator does while a run goes on), then merge; print
+    both wall times as one JSON line: the second is what is left after the last shard is done."""
+    from gym_ray.finalize.merge import merge_shards
+    from gym_ray.finalize.merge_ahead import reduce_ahead
+    from gym_ray.record.shard_files import list_shards
+
+    wall0 = time.perf_counter()
+    stored = sum(reduce_ahead(run_dir, shard) for shard in list_shards(run_dir))
+    ahead_s = time.perf_counter() - wall0
+    wall0 = time.perf_counter()
+    merged = merge_shards(run_dir)
+    tail_s = time.perf_counter() - wall0
+    print(json.dumps({"stored": stored, "successes": merged.successes, "ahead_s": ahead_s, "tail_s": tail_s}))
+
+
+def _run_child(mode: str, run_dir: Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gym_ray.bench.merge_bench", mode, str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=_CHILD_TIMEOUT_S,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"merge bench child exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
 def run_merge_bench(rows: int = 1_000_000, shards: int = 64) -> dict[str, Any]:
     """Generate ``shards`` shards of ``rows`` records, merge them in a child process, report the figures.
 
@@ -139,7 +169,9 @@ def run_merge_bench(rows: int = 1_000_000, shards: int = 64) -> dict[str, Any]:
         "sorting_processes_cpu_s", "merge_cpu_us_per_line", "lines_per_s", "baseline_rss_mb",
         "peak_rss_mb"}`` (``merge_cpu_s``: the merging process's CPU; ``sorting_processes_cpu_s``: its
         pool's, start-up included; ``baseline_rss_mb``: the merging process's peak after its imports,
-        before merging); also printed.
+        before merging), and ``reduced_ahead_s`` / ``tail_after_ahead_s`` / ``tail_ratio``: the same shards
+        reduced one after the other ahead of the merge (as the coordinator does while a run goes on), then
+        merged: the merge's tail once every shard is done, and its ratio to the whole merge; also printed.
 
     Raises:
         ValueError: ``rows`` < 1 or ``shards`` < 1.
@@ -152,16 +184,9 @@ def run_merge_bench(rows: int = 1_000_000, shards: int = 64) -> dict[str, Any]:
         started = time.perf_counter()
         written = write_shards(run_dir, rows, shards)
         generate_s = time.perf_counter() - started
-        proc = subprocess.run(
-            [sys.executable, "-m", "gym_ray.bench.merge_bench", "--child", str(run_dir)],
-            capture_output=True,
-            text=True,
-            timeout=_CHILD_TIMEOUT_S,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"merge bench child exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
-        child: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+        child = _run_child("--child", run_dir)
+        # the same shards again, reduced ahead first: the merge's tail once every shard is done
+        ahead = _run_child("--child-ahead", run_dir)
     if child["successes"] != written["rows"] or child["duplicates_dropped"] or child["corrupt_lines"]:
         raise RuntimeError(f"merge bench: wrote {written['rows']} rows, merge reported {child}")
     result: dict[str, Any] = {
@@ -177,12 +202,19 @@ def run_merge_bench(rows: int = 1_000_000, shards: int = 64) -> dict[str, Any]:
         "lines_per_s": written["rows"] / child["wall_s"] if child["wall_s"] > 0 else 0.0,
         "baseline_rss_mb": child["baseline_rss_mb"],
         "peak_rss_mb": child["peak_rss_mb"],
+        "reduced_ahead_s": ahead["ahead_s"],
+        "tail_after_ahead_s": ahead["tail_s"],
+        "tail_ratio": ahead["tail_s"] / child["wall_s"] if child["wall_s"] > 0 else 0.0,
     }
+    if ahead["stored"] != shards or ahead["successes"] != written["rows"]:
+        raise RuntimeError(f"merge bench: {shards} shards reduced ahead, the child reported {ahead}")
     print(
         f"merge bench: rows={result['rows']} shards={shards} ({result['avg_record_bytes']:.0f} B/record) "
         f"{result['lines_per_s']:,.0f} lines/s, {result['merge_cpu_us_per_line']:.2f} us of CPU per line "
         f"(merging and sorting processes) peak_rss={result['peak_rss_mb']:.1f} MB "
-        f"(baseline {result['baseline_rss_mb']:.1f} MB)",
+        f"(baseline {result['baseline_rss_mb']:.1f} MB); with every shard reduced ahead "
+        f"({result['reduced_ahead_s']:.2f} s while the run goes on) the merge's tail is "
+        f"{result['tail_after_ahead_s']:.2f} s ({result['tail_ratio']:.2f} of the whole merge)",
         flush=True,
     )
     return result
@@ -192,6 +224,9 @@ def main(argv: list[str]) -> int:
     """``python -m gym_ray.bench.merge_bench [rows [shards]]``; ``--child DIR`` is the measured process."""
     if argv[:1] == ["--child"] and len(argv) == 2:
         _child(argv[1])
+        return 0
+    if argv[:1] == ["--child-ahead"] and len(argv) == 2:
+        _child_ahead(argv[1])
         return 0
     numbers = [int(a) for a in argv[:2]]
     print(json.dumps(run_merge_bench(*numbers), indent=2))

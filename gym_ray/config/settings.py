@@ -382,7 +382,7 @@ class RunSettings(BaseModel):
         retain_results_in_memory / upload_rollouts: accepted for NeMo Gym command lines (see
             docs/nemo-gym.md).
         disable_health_check: NeMo Gym 0.7's post-run rollout-quality pass (``quality_summary.json`` and
-            ``rollout_verdicts.jsonl`` beside the rollouts, :mod:`gym_ray.record.quality`): False runs it,
+            ``rollout_verdicts.jsonl`` beside the rollouts, :mod:`gym_ray.finalize.quality`): False runs it,
             True skips it, None runs it with ``output_jsonl_fpath`` (0.7's layout and default) and skips
             it with ``output_dir`` alone. It never runs with ``disable_aggregation``, as in 0.7.
         health_check_workers: 0.7's process count for that pass; accepted (gym_ray runs it in one).
@@ -514,7 +514,7 @@ class RunSettings(BaseModel):
     @field_validator("health_check_ignored_checks", mode="before")
     @classmethod
     def _check_ignored_checks(cls, value: Any) -> tuple[str, ...]:
-        from gym_ray.record.quality import normalize_ignored_checks  # the check ids live with the pass
+        from gym_ray.finalize.quality import normalize_ignored_checks  # the check ids live with the pass
 
         return normalize_ignored_checks(value)
 

@@ -422,7 +422,7 @@ class ServerClient:
 
         With ``reply_path``, a 2xx reply body is not read into memory: it is written to that file (created
         or truncated) in chunks of 64 KiB as it arrives, unchecked (parsing it is the caller's job, e.g.
-        with ``gym_ray.record.json_stream``), and the call returns ``None``. Every attempt rewrites the
+        with ``gym_ray.finalize.json_stream``), and the call returns ``None``. Every attempt rewrites the
         file from its start. Error statuses behave as without ``reply_path`` (their small body is read
         for the excerpt; the file is not written).
 

@@ -255,8 +255,8 @@ class RolloutCollectionHelper:
     async def aggregate_metrics(
         self, results: Iterable[Mapping[str, Any]], *, output_path: str | Path, raise_on_error: bool = True
     ) -> Path | None:
-        """``/aggregate_metrics`` once per environment server (``gym_ray.record.aggregate``)."""
-        from gym_ray.record.aggregate import aggregate_metrics
+        """``/aggregate_metrics`` once per environment server (``gym_ray.finalize.aggregate``)."""
+        from gym_ray.finalize.aggregate import aggregate_metrics
 
         client = await self.setup_server_client()
         return await aggregate_metrics(

@@ -319,7 +319,7 @@ async def run_actors(
             num_workers=num_workers, wall_s=time.monotonic() - started, counts_from_reports=once
         )
         finished = True
-        from gym_ray.record.metrics_summary import adopt_written_summary
+        from gym_ray.finalize.metrics_summary import adopt_written_summary
 
         # The caller prints the headline from the coordinator's summary, not from a second read of the
         # metrics file; if the coordinator cannot say (it just died), the file is read.

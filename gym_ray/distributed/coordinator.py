@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +35,7 @@ from gym_ray.record.atomic import atomic_write_bytes
 if TYPE_CHECKING:
     from gym_ray.config.run_config import RunConfig
     from gym_ray.dispatch.client import ServerClient
-    from gym_ray.record.metrics_summary import WrittenSummary
+    from gym_ray.finalize.metrics_summary import WrittenSummary
     from gym_ray.run.collect import RunPlan, ShardSpec
     from gym_ray.run.result import RunResult, ShardReport
 
@@ -146,6 +146,55 @@ class RunCoordinator:
         self._rows_total: int | None = None
         self._plan_done = False
         self._by_server: dict[str, list[float]] = {}
+        # merge work done while the run goes on (gym_ray.finalize.merge_ahead): finished shards, reduced
+        # one after the other in a thread by one owned task
+        self._ahead: deque[str] = deque()
+        self._ahead_wake: asyncio.Event | None = None
+        self._ahead_task: asyncio.Task[None] | None = None
+        self._ahead_stop = False
+        self.reduced_ahead = 0
+
+    def _reduce_ahead_later(self, shard: str) -> None:
+        """Queue a finished shard for its reduction ahead of the merge (needs the actor's running loop)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a plain call): the merge reduces the shard itself
+        if self._ahead_stop:
+            return
+        self._ahead.append(shard)
+        if self._ahead_task is None:
+            self._ahead_wake = asyncio.Event()
+            self._ahead_task = loop.create_task(self._reduce_ahead_loop())
+        assert self._ahead_wake is not None
+        self._ahead_wake.set()
+
+    async def _reduce_ahead_loop(self) -> None:
+        from gym_ray.finalize.merge_ahead import reduce_ahead
+
+        assert self._ahead_wake is not None
+        while not self._ahead_stop:
+            if not self._ahead:
+                self._ahead_wake.clear()
+                await self._ahead_wake.wait()
+                continue
+            shard = self._ahead.popleft()
+            try:
+                if await asyncio.to_thread(reduce_ahead, self._run_dir, shard):
+                    self.reduced_ahead += 1
+            except Exception as exc:  # the final merge reduces the shard itself and reports any error
+                logger.info("coordinator: shard %s not reduced ahead of the merge: %s", shard, exc)
+
+    async def _stop_reducing_ahead(self) -> None:
+        """Let the reduction under way finish, drop the queued ones (the merge does them), join the task."""
+        self._ahead_stop = True
+        self._ahead.clear()
+        task, self._ahead_task = self._ahead_task, None
+        if task is None:
+            return
+        assert self._ahead_wake is not None
+        self._ahead_wake.set()
+        await task
 
     def node_id(self) -> str:
         """The Ray node (hex id) this actor runs on."""
@@ -162,6 +211,7 @@ class RunCoordinator:
         when nothing was traced here). See :func:`gym_ray.observe.tracing.shutdown_tracing`."""
         from gym_ray.observe.tracing_gate import shutdown_tracing_if_used
 
+        await self._stop_reducing_ahead()
         await asyncio.to_thread(shutdown_tracing_if_used)
 
     def record_report(
@@ -178,6 +228,7 @@ class RunCoordinator:
                 progress; see :class:`~gym_ray.distributed.worker.OutcomeTally`).
         """
         self._shards_done.add(report.shard)
+        self._reduce_ahead_later(report.shard)
         for server, (count, reward) in (by_server or {}).items():
             entry = self._by_server.setdefault(server, [0, 0.0])
             entry[0] += count
@@ -238,8 +289,8 @@ class RunCoordinator:
     async def written_metrics_summary(self) -> WrittenSummary | None:
         """The summary of the metrics file this process wrote last (after :meth:`finalize`: the run's), so
         the caller can print the run's headline without reading the file (see
-        :func:`gym_ray.record.aggregate.adopt_written_summary`)."""
-        from gym_ray.record.metrics_summary import written_summary
+        :func:`gym_ray.finalize.aggregate.adopt_written_summary`)."""
+        from gym_ray.finalize.metrics_summary import written_summary
 
         return written_summary()
 
@@ -264,6 +315,8 @@ class RunCoordinator:
         factory = self._client_factory or _default_client
         if wall_s is None:
             wall_s = self._clock() - self._started
+        await self._stop_reducing_ahead()  # the merge must not race a reduction
+        logger.info("coordinator: %d shards were reduced ahead of the merge", self.reduced_ahead)
         async with factory(self._run) as client:
             result = await self._finalize_fn(
                 self._plan(),
@@ -326,6 +379,7 @@ class RunCoordinator:
             "already_done": status.already_done,
             "wall_s": round(wall_s, 3),
             "rollouts_per_s": round((status.succeeded + status.failed) / wall_s, 3) if wall_s > 0 else 0.0,
+            "shards_reduced_ahead_of_the_merge": self.reduced_ahead,
             "shard_timings": [
                 {
                     "shard": t.shard,

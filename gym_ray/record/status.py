@@ -1,4 +1,5 @@
-"""Run status (``gym-ray status RUN_DIR``); ``gym-ray aggregate`` is :mod:`gym_ray.record.aggregate_command`.
+"""Run status (``gym-ray status RUN_DIR``); ``gym-ray aggregate`` is
+:mod:`gym_ray.finalize.aggregate_command`.
 
 ``run_status`` reads a run folder without taking any lock (beyond a non-blocking probe of the run lock)
 or writing anything. First the run's state (:mod:`gym_ray.record.run_state`): running (a process holds
@@ -33,16 +34,16 @@ from pydantic import BaseModel, ConfigDict
 
 from gym_ray import keys
 from gym_ray.errors import InputError, ResumeError, UsageError
-from gym_ray.observe.rate import RateMeter
-from gym_ray.plan.resume import plan_resume
-from gym_ray.plan.run_manifest import RUN_MANIFEST
-from gym_ray.record.aggregate import (
+from gym_ray.finalize.aggregate import (
     AGGREGATE_ERRORS_FILE,
     AGGREGATE_FILE_NAME,
     AggregateEntry,
     read_metrics_summary,
 )
-from gym_ray.record.aggregate_command import aggregate_main
+from gym_ray.finalize.aggregate_command import aggregate_main
+from gym_ray.observe.rate import RateMeter
+from gym_ray.plan.resume import plan_resume
+from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.record.jsonl import JsonlReader
 from gym_ray.record.outage_note import read_outage
 from gym_ray.record.run_lock import describe_holder, lock_holder

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gym_ray.errors import RecordError, RunLockError, UsageError
-from gym_ray.record.aggregate import read_metrics_summary
+from gym_ray.finalize.aggregate import read_metrics_summary
 from gym_ray.run.result import RunResult
 
 

@@ -18,9 +18,7 @@ from gym_ray.config.settings import RunSettings
 from gym_ray.dispatch import latency
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.errors import IncompleteRunError
-from gym_ray.plan.resume import plan_resume
-from gym_ray.plan.shards import RunPlan
-from gym_ray.record.aggregate import (
+from gym_ray.finalize.aggregate import (
     AGGREGATE_ERRORS_FILE,
     AGGREGATE_FILE_NAME,
     aggregate_run,
@@ -28,10 +26,12 @@ from gym_ray.record.aggregate import (
     raise_for_completion_rejection,
     read_metrics_summary,
 )
+from gym_ray.finalize.merge import merge_shards
+from gym_ray.finalize.nemo_layout import publish_nemo_gym_layout
+from gym_ray.finalize.quality import QUALITY_SUMMARY_FILE, ROLLOUT_VERDICTS_FILE, write_quality_reports
+from gym_ray.plan.resume import plan_resume
+from gym_ray.plan.shards import RunPlan
 from gym_ray.record.atomic import atomic_write_bytes
-from gym_ray.record.merge import merge_shards
-from gym_ray.record.nemo_layout import publish_nemo_gym_layout
-from gym_ray.record.quality import QUALITY_SUMMARY_FILE, ROLLOUT_VERDICTS_FILE, write_quality_reports
 from gym_ray.run.result import SUMMARY_FILE, RunResult, ShardReport, ShardRows
 from gym_ray.run.row_counts import rows_of_plan
 from gym_ray.run.stage_cpu import measuring
@@ -55,7 +55,7 @@ async def finalize_run(
 
     With ``disable_aggregation`` no ``/aggregate_metrics`` call is made and no metrics file is written.
     With ``output_jsonl_fpath`` the merged files are published under NeMo Gym's names
-    (:mod:`gym_ray.record.nemo_layout`) and the result's paths point there. With ``require_complete`` a
+    (:mod:`gym_ray.finalize.nemo_layout`) and the result's paths point there. With ``require_complete`` a
     run that is not complete (:attr:`RunResult.complete`) raises :class:`~gym_ray.errors.IncompleteRunError`
     after every file is written (NeMo Gym's ``EVAL FAILED``).
 

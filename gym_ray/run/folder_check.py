@@ -32,8 +32,8 @@ from typing import Any
 
 from gym_ray.config.run_config import RunConfig
 from gym_ray.errors import ResumeError
+from gym_ray.finalize.nemo_layout import nemo_gym_paths
 from gym_ray.plan.run_manifest import RUN_MANIFEST, other_config_error, read_run_manifest
-from gym_ray.record.nemo_layout import nemo_gym_paths
 from gym_ray.record.run_lock import refuse_if_held
 from gym_ray.record.run_record import (
     RUN_RECORD_FILE,

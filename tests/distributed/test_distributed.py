@@ -19,9 +19,9 @@ from gym_ray import keys
 from gym_ray.config.run_config import resolve_run_config
 from gym_ray.distributed.api import acollect, plan_from_config, run_actors
 from gym_ray.errors import ConfigError, ValidationError
+from gym_ray.finalize.metrics_summary import read_metrics_summary, written_summary
 from gym_ray.plan.first_pass import validate_ahead
 from gym_ray.record.ledger import check_run
-from gym_ray.record.metrics_summary import read_metrics_summary, written_summary
 from gym_ray.record.shard_files import list_shards, shard_paths
 from gym_ray.run.collect import acollect_local
 from gym_ray.servers import ThreadedDeployment, bundled_dataset_path, load_bundled_config, start_in_thread
@@ -115,6 +115,9 @@ async def test_four_workers_give_the_same_rollouts_as_one_process(
     summary = _read_json(dist.summary_path)
     assert summary["distributed"]["num_workers"] == 4
     assert summary["distributed"]["shards_reported"] == 15
+    # the coordinator reduced finished shards while the run went on; the merge took them and removed them
+    assert 1 <= summary["distributed"]["shards_reduced_ahead_of_the_merge"] <= 15
+    assert not (tmp_path / "dist" / ".merge-ahead").exists()
     # The caller holds the host's summary of the metrics file, so printing the headline reads no file.
     written = written_summary()
     assert written is not None

@@ -164,7 +164,7 @@ async def test_each_actor_process_loads_only_its_roles_modules(
     for path in notes.iterdir():
         loaded.setdefault(path.name.split("-")[0], set()).update(json.loads(path.read_text()))
     assert set(loaded) == {"driver", "worker", "coordinator"}
-    finishing = {"gym_ray.run.finalize", "gym_ray.record.merge", "gym_ray.record.aggregate"}
+    finishing = {"gym_ray.run.finalize", "gym_ray.finalize.merge", "gym_ray.finalize.aggregate"}
     dispatching = {"gym_ray.dispatch.engine", "gym_ray.record.writer", "gym_ray.distributed.worker"}
     assert loaded["driver"] & (finishing | dispatching) == set()  # plans and hands out, nothing more
     assert loaded["worker"] & finishing == set()  # (it loads driver.py: Ray's handle of the driver does)

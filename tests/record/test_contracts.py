@@ -19,10 +19,10 @@ from gym_ray import keys
 from gym_ray.config.topology import Topology
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.errors import ShardLockError
-from gym_ray.record.aggregate import aggregate_metrics
+from gym_ray.finalize.aggregate import aggregate_metrics
+from gym_ray.finalize.merge import merge_shards
 from gym_ray.record.ledger import check_run
 from gym_ray.record.manifest import ShardManifest
-from gym_ray.record.merge import merge_shards
 from gym_ray.record.writer import ShardWriter
 from gym_ray.servers import serve_config
 

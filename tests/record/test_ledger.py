@@ -10,8 +10,8 @@ import pytest
 
 from gym_ray import keys
 from gym_ray.errors import ConfigError, InputError
+from gym_ray.finalize.merge import merge_shards
 from gym_ray.record.ledger import check_run
-from gym_ray.record.merge import merge_shards
 from gym_ray.record.shard_files import shard_paths
 from gym_ray.record.writer import ShardWriter
 

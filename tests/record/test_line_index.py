@@ -15,12 +15,12 @@ import pytest
 
 from gym_ray import keys
 from gym_ray.errors import InputError
+from gym_ray.finalize.merge import merge_shards
 from gym_ray.record import line_index
 from gym_ray.record.line_index import index_blocks, index_path
-from gym_ray.record.merge import merge_shards
 from gym_ray.record.shard_files import list_shards, shard_paths
 from gym_ray.record.writer import ShardWriter
-from tests.record.test_merge import fail, rec
+from tests.finalize.test_merge import fail, rec
 
 _HEADER = struct.Struct("<4sQQII")
 

@@ -1,4 +1,4 @@
-"""gym_ray.record.json_stream: the streamed reader agrees with json.loads, whatever the chunking."""
+"""gym_ray.finalize.json_stream: the streamed reader agrees with json.loads, whatever the chunking."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gym_ray.errors import ServerResponseError
-from gym_ray.record.json_stream import StreamedList, iter_object
+from gym_ray.finalize.json_stream import StreamedList, iter_object
 
 _HINT = "answer an object"
 _TRICKY = st.sampled_from(['"', "\\", "[", "]", "{", "}", ",", ":", "\n", "é", "✓", "𝄞", " ", "1e5", "null"])

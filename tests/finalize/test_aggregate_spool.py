@@ -19,8 +19,7 @@ import pytest
 
 from gym_ray.config.topology import Topology
 from gym_ray.errors import GymRayError, InternalError, RecordError, ServerResponseError, ValidationError
-from gym_ray.plan.rows import MAX_LISTED_ROWS
-from gym_ray.record._aggregate_spool import (
+from gym_ray.finalize._aggregate_spool import (
     STOP_CHECK_ROWS,
     Fragment,
     ServerSpools,
@@ -29,8 +28,9 @@ from gym_ray.record._aggregate_spool import (
     run_joined,
     write_metrics_atomic,
 )
-from gym_ray.record.json_stream import EXCERPT_BYTES
-from tests.record.test_aggregate import _agent, _base_config
+from gym_ray.finalize.json_stream import EXCERPT_BYTES
+from gym_ray.plan.rows import MAX_LISTED_ROWS
+from tests.finalize.test_aggregate import _agent, _base_config
 
 
 class _StopAfterFirstLook(threading.Event):
@@ -454,11 +454,11 @@ def test_remove_logs_a_spool_it_cannot_close_and_still_removes_the_folder(
 ) -> None:
     spools, folder = _full_spool(tmp_path)
     spools.add("second", (0, 0), {"b": 2})  # buffered: closing it fails
-    with caplog.at_level(logging.WARNING, logger="gym_ray.record.aggregate"):
+    with caplog.at_level(logging.WARNING, logger="gym_ray.finalize.aggregate"):
         spools.remove()
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
         (
-            "gym_ray.record.aggregate",
+            "gym_ray.finalize.aggregate",
             logging.WARNING,
             f"cannot close the aggregation spool {folder / '2-spool.jsonl'}",
         )
@@ -479,7 +479,7 @@ def test_remove_logs_a_folder_it_cannot_delete(tmp_path: Path, caplog: pytest.Lo
     assert folder is not None
     folder.rename(tmp_path / "moved")
     folder.symlink_to(tmp_path / "moved")  # rmtree refuses a symbolic link (even for root)
-    with caplog.at_level(logging.WARNING, logger="gym_ray.record.aggregate"):
+    with caplog.at_level(logging.WARNING, logger="gym_ray.finalize.aggregate"):
         spools.remove()
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.WARNING, f"cannot remove the aggregation spool folder {folder}")

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from gym_ray.errors import InputError, ServerResponseError
-from gym_ray.record._aggregate_spool import STREAMED_REPLY_KEYS
-from gym_ray.record.json_stream import iter_array_of_objects
+from gym_ray.finalize._aggregate_spool import STREAMED_REPLY_KEYS
+from gym_ray.finalize.json_stream import iter_array_of_objects
 
 __all__ = [
     "WrittenSummary",

@@ -20,11 +20,11 @@ import pytest
 from gym_ray.config.topology import Topology
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.errors import InputError
-from gym_ray.record._aggregate_read import compact_plain, group_merged, iter_merged
-from gym_ray.record._aggregate_spool import ServerSpools, group_results, strip_for_aggregation
-from gym_ray.record.aggregate import aggregate_metrics, aggregate_run
+from gym_ray.finalize._aggregate_read import compact_plain, group_merged, iter_merged
+from gym_ray.finalize._aggregate_spool import ServerSpools, group_results, strip_for_aggregation
+from gym_ray.finalize.aggregate import aggregate_metrics, aggregate_run
 from gym_ray.record.jsonl import JsonlReader
-from tests.record.test_aggregate import _HOST, _agent, _base_config, _Recorder, _ref
+from tests.finalize.test_aggregate import _HOST, _agent, _base_config, _Recorder, _ref
 from tests.test_json_equivalence import _random_float, _random_value, _same, struct_float
 
 # Lines orjson cannot vouch for (json reads them: NaN, infinity, an integer past 64 bits, a lone

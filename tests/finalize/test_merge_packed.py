@@ -19,8 +19,8 @@ import pytest
 
 from gym_ray import keys
 from gym_ray.errors import InputError
-from gym_ray.record import merge
-from gym_ray.record._merge_shard import (
+from gym_ray.finalize import merge
+from gym_ray.finalize._merge_shard import (
     Tally,
     _keep_packed,
     _read_packed,
@@ -28,7 +28,7 @@ from gym_ray.record._merge_shard import (
     read_shard,
     reduce_shard,
 )
-from tests.record.test_merge import _mutations, fail, rec, write_lines
+from tests.finalize.test_merge import _mutations, fail, rec, write_lines
 
 _WAIT_S = 60.0
 

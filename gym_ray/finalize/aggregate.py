@@ -16,13 +16,13 @@ Memory: the request side does not grow with the number of results. ``results`` i
 a stream (``aggregate_run``: the merged ``rollouts.jsonl``, read once by ``_aggregate_read``, which
 spools the lines orjson read with orjson's text); each stripped result goes to its server's spool
 file (compact JSON lines) in a private folder ``.aggregate-XXXXXX`` beside the metrics file, removed
-when ``aggregate_metrics`` returns, raises or is cancelled (``gym_ray.record._aggregate_spool``).
+when ``aggregate_metrics`` returns, raises or is cancelled (``gym_ray.finalize._aggregate_spool``).
 Each server's body ``{"verify_responses": [...]}`` is assembled from its spool into a file, streamed
 when its results arrived sorted by (task, rollout) (the merged file is), else sorted in memory: that
 server's stripped lines only, the one case where memory grows with the results. The body file is sent
 with ``ServerClient.post_json_file``. The reply side does not grow with the number of tasks either: each
 reply is streamed to a file in the spool folder (``post_json_file(..., reply_path=...)``) and read back
-with ``gym_ray.record.json_stream``: the small members (``agent_metrics``, ``key_metrics``,
+with ``gym_ray.finalize.json_stream``: the small members (``agent_metrics``, ``key_metrics``,
 ``perf_summary``) are validated as ``AggregateMetricsReply``, while each element of
 ``group_level_metrics`` / ``repeat_level_metrics`` (one per task) is encoded as the metrics file holds it
 and appended to a fragment file, at most one buffer's elements in memory. The metrics file is written entry
@@ -60,8 +60,8 @@ from gym_ray.errors import (
     UsageError,
     validation_problems,
 )
-from gym_ray.record._aggregate_read import group_merged
-from gym_ray.record._aggregate_spool import (
+from gym_ray.finalize._aggregate_read import group_merged
+from gym_ray.finalize._aggregate_spool import (
     STREAMED_REPLY_KEYS,
     Fragment,
     Grouping,
@@ -71,12 +71,12 @@ from gym_ray.record._aggregate_spool import (
     run_joined,
     write_metrics_atomic,
 )
-from gym_ray.record._aggregate_spool import strip_for_aggregation as strip_for_aggregation
-from gym_ray.record.metrics_summary import (
+from gym_ray.finalize._aggregate_spool import strip_for_aggregation as strip_for_aggregation
+from gym_ray.finalize.metrics_summary import (
     forget_written_summary,
     note_written_summary,
 )
-from gym_ray.record.metrics_summary import read_metrics_summary as read_metrics_summary
+from gym_ray.finalize.metrics_summary import read_metrics_summary as read_metrics_summary
 
 if TYPE_CHECKING:
     from gym_ray.config.topology import Topology
@@ -419,7 +419,7 @@ def _merged_file(folder: Path) -> Path | None:
         raise UsageError(f"run folder {folder} does not exist; pass the folder a run wrote")
     merged = folder / _MERGED_FILE_NAME
     if not merged.exists():
-        from gym_ray.record.merge import merge_shards
+        from gym_ray.finalize.merge import merge_shards
 
         merge_shards(folder)
     return merged if merged.exists() else None

@@ -20,8 +20,8 @@ from typing import Any
 import orjson
 import pytest
 
-from gym_ray.record._aggregate_fragments import indented as _indented
-from gym_ray.record.aggregate import _atomic_write_json, read_metrics_summary
+from gym_ray.finalize._aggregate_fragments import indented as _indented
+from gym_ray.finalize.aggregate import _atomic_write_json, read_metrics_summary
 
 _AWKWARD: list[Any] = [
     1e-05,

@@ -18,9 +18,9 @@ import orjson
 import pytest
 
 from gym_ray.errors import ServerResponseError
-from gym_ray.record import json_stream
-from gym_ray.record._aggregate_fragments import FragmentWriter
-from gym_ray.record.json_stream import StreamedList, iter_object
+from gym_ray.finalize import json_stream
+from gym_ray.finalize._aggregate_fragments import FragmentWriter
+from gym_ray.finalize.json_stream import StreamedList, iter_object
 from tests.test_json_equivalence import _random_float, _random_value, _same, struct_float
 
 

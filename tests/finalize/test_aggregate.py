@@ -1,4 +1,5 @@
-"""Tests for gym_ray.record.aggregate: labels, stripping, the metrics file, failures, completion rejection."""
+"""Tests for gym_ray.finalize.aggregate: labels, stripping, the metrics file, failures, completion
+rejection."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from gym_ray.errors import (
     UsageError,
     ValidationError,
 )
-from gym_ray.record._aggregate_spool import STOP_CHECK_ROWS
-from gym_ray.record.aggregate import (
+from gym_ray.finalize._aggregate_spool import STOP_CHECK_ROWS
+from gym_ray.finalize.aggregate import (
     AggregateEntry,
     _file_shape,
     aggregate_metrics,

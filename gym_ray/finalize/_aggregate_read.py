@@ -34,7 +34,7 @@ import orjson
 
 from gym_ray._json import NOT_SURE, orjson_loads
 from gym_ray.errors import InputError
-from gym_ray.record._aggregate_spool import Grouping, ServerSpools
+from gym_ray.finalize._aggregate_spool import Grouping, ServerSpools
 from gym_ray.record.jsonl import line_batches, parse_record
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
-"""The two ways of a merge (record/_merge_shard.py, record/merge.py), through merge_shards: when shards may
-be kept on their own, the attempt index a record without one has, the general way's counts, temp files and
+"""The two ways of a merge (finalize/_merge_shard.py, finalize/merge.py), through merge_shards: when shards
+may be kept on their own, the attempt index a record without one has, the general way's counts, temp files and
 key layout, and the argument and identity errors word for word."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 
 from gym_ray import keys
 from gym_ray.errors import ConfigError, InputError
-from gym_ray.record.merge import merge_shards
+from gym_ray.finalize.merge import merge_shards
 from gym_ray.record.shard_files import shard_paths
-from tests.record.test_merge import (
+from tests.finalize.test_merge import (
     _reference_counts,
     _reference_merge,
     counts_of,

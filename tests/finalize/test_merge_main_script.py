@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.main_script import run_as_main_script
-from tests.record.test_merge import rec, write_shard
+from tests.finalize.test_merge import rec, write_shard
 
 MERGE = """
 if __name__ == "__main__":
     import json, sys
-    from gym_ray.record.merge import merge_shards
+    from gym_ray.finalize.merge import merge_shards
     result = merge_shards(sys.argv[1], workers=2, pool_min_bytes=0)
     print(json.dumps({"successes": result.successes, "pid": os.getpid()}))
 """

@@ -1,4 +1,4 @@
-"""record/quality.py: NeMo Gym 0.7's rollout-quality reports, byte for byte against 0.7's recorded ones."""
+"""finalize/quality.py: NeMo Gym 0.7's rollout-quality reports, byte for byte against 0.7's recorded ones."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_ray.record.quality import normalize_ignored_checks, write_quality_reports
+from gym_ray.finalize.quality import normalize_ignored_checks, write_quality_reports
 
 _RECORDED = Path(__file__).parent / "nemo_gym_0_7_quality"
 

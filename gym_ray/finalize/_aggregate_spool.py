@@ -51,10 +51,10 @@ from gym_ray.errors import (
     ServerResponseError,
     ValidationError,
 )
+from gym_ray.finalize._aggregate_fragments import STOP_CHECK_ROWS, FragmentWriter, Stopped, indented
+from gym_ray.finalize.json_stream import EXCERPT_BYTES, StreamedList, iter_object
 from gym_ray.plan.rows import MAX_LISTED_ROWS
-from gym_ray.record._aggregate_fragments import STOP_CHECK_ROWS, FragmentWriter, Stopped, indented
 from gym_ray.record.atomic import atomic_writer
-from gym_ray.record.json_stream import EXCERPT_BYTES, StreamedList, iter_object
 
 if TYPE_CHECKING:
     from gym_ray.config.topology import Topology
@@ -73,7 +73,7 @@ __all__ = [
     "write_metrics_atomic",
 ]
 
-logger = logging.getLogger("gym_ray.record.aggregate")
+logger = logging.getLogger("gym_ray.finalize.aggregate")
 
 _T = TypeVar("_T")
 _Encode = Callable[[Any], bytes]

@@ -20,6 +20,8 @@ not cover with a verified entry (no index, a shard from an older gym_ray, a torn
 is parsed, so the output bytes and counts do not depend on the index.
 
 Memory is bounded by one shard (a unit of work), not by the run. Two ways, same bytes and counts:
+(a shard reduced while the run went on, :mod:`gym_ray.finalize.merge_ahead`, is taken from there in the
+first way when its files are unchanged, and the stored reductions are removed after the merge)
 
 - No two shards share an identity (the usual run: planning gives each shard a contiguous block of tasks,
   and retries and resumed attempts stay in their shard): each shard is read, ordered and kept on its own
@@ -69,7 +71,16 @@ from pydantic import BaseModel, ConfigDict
 
 from gym_ray._spawn import main_script_not_rerun
 from gym_ray.errors import ConfigError, InputError, RecordError
-from gym_ray.record._merge_shard import Entry, Tally, in_identity_order, keep_lines, read_shard, reduce_shard
+from gym_ray.finalize._merge_shard import (
+    Entry,
+    Reduced,
+    Tally,
+    in_identity_order,
+    keep_lines,
+    read_shard,
+    reduce_shard,
+)
+from gym_ray.finalize.merge_ahead import cached_reduction, discard_reductions
 from gym_ray.record.atomic import atomic_writer
 from gym_ray.record.shard_files import list_shards, shard_paths
 
@@ -283,7 +294,7 @@ def _merge(
     """Merge by reducing each shard alone when no two shards share an identity, else by the general way."""
     tally = Tally()
     with tempfile.TemporaryDirectory(dir=base, prefix=".merge-") as tmp:
-        reduced = _each_shard(reduce_shard, base, shards, Path(tmp), pool)
+        reduced = _each_shard(_reduce_or_reuse, base, shards, Path(tmp), pool)
         kept = in_identity_order(reduced)
         if kept is not None:
             for part in reduced:
@@ -292,13 +303,21 @@ def _merge(
                 for part in kept:
                     _append_file(part.successes, out_ok)
                     _append_file(part.failures, out_failed)
+            discard_reductions(base)
             return tally
+    discard_reductions(base)
     width = _WIDTH
     while True:
         try:
             return _merge_sorted(base, shards, successes_path, failures_path, fan_in, width, pool)
         except _WidthExceeded as exc:
             width = max(exc.needed, 2 * width)
+
+
+def _reduce_or_reuse(base: Path, shard: str, number: int, tmp: Path) -> Reduced:
+    """The shard's reduction made while the run went on, if still the shard's
+    (:mod:`gym_ray.finalize.merge_ahead`), else a new one in ``tmp``."""
+    return cached_reduction(base, shard) or reduce_shard(base, shard, number, tmp)
 
 
 def _append_file(path: Path, out: BinaryIO) -> None:

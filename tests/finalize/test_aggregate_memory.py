@@ -22,12 +22,12 @@ from aiohttp import web
 from gym_ray.config.topology import Topology
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.errors import AggregationError, InputError, RecordError, ServerHTTPError, ServerResponseError
-from gym_ray.record._aggregate_spool import (
+from gym_ray.finalize._aggregate_spool import (
     ReplyParts,
     ServerSpools,
     write_metrics_atomic,
 )
-from gym_ray.record.aggregate import (
+from gym_ray.finalize.aggregate import (
     aggregate_metrics,
     raise_for_aggregation_errors,
     read_metrics_summary,

@@ -14,14 +14,14 @@ import pytest
 from gym_ray.config.topology import Topology
 from gym_ray.dispatch.client import ServerClient
 from gym_ray.errors import InputError, ServerResponseError, UsageError
-from gym_ray.record.aggregate import (
+from gym_ray.finalize.aggregate import (
     aggregate_metrics,
     aggregate_run,
     completion_rejection,
     raise_for_aggregation_errors,
     read_metrics_summary,
 )
-from tests.record.test_aggregate import (
+from tests.finalize.test_aggregate import (
     _HOST,
     _base_config,
     _deployment,

@@ -13,7 +13,7 @@ Both apply :func:`keep_lines` to lines in ``(task, rollout, kind, attempt, shard
 line kept (or dropped, and under which count) does not depend on the way taken. A disjoint shard whose
 indices all fit in int64 (every shard gym_ray writes) takes a faster form of the same rules: one packed
 integer key per line, sorted, and kept with no per-line Python where nothing is dropped
-(:func:`_read_packed`, :func:`_keep_packed`; the same bytes and counts, ``tests/record/
+(:func:`_read_packed`, :func:`_keep_packed`; the same bytes and counts, ``tests/finalize/
 test_merge_packed.py``). Where reading costs go (one bench shard of 15,625 lines of 316 bytes, in process,
 December 2, loaded machine): reading and splitting ~0.4 us per line, ``orjson.loads`` 1.5-2 (the check that
 a line is a JSON object; it also builds the record), keys ~0.6, sorting and writing ~1. Lines covered by a
@@ -98,7 +98,7 @@ def read_shard(base: Path, shard: str) -> ShardLines:
     (counted, not an outcome). orjson reads the usual line: it accepts no line ``json.loads`` rejects and
     reads the same values, except integers beyond 64 bits (a float there), so a line whose indices are not
     all integers is read again with ``parse_record``; any line orjson refuses goes to ``parse_record`` too.
-    ``tests/record/test_merge.py`` checks the verdicts on mutated lines.
+    ``tests/finalize/test_merge.py`` checks the verdicts on mutated lines.
 
     Raises:
         InputError: A record has no integer task/rollout index (names file and line).
@@ -174,7 +174,7 @@ def reduce_shard(base: Path, shard: str, number: int, tmp: Path) -> Reduced:
 
     The usual shard (every index a signed 64-bit value) is read into packed integer keys
     (:func:`_read_packed`) and kept by :func:`_keep_packed`; any other goes the per-entry way
-    (:func:`read_shard` and :func:`keep_lines`). Both write the same bytes and counts (``tests/record/
+    (:func:`read_shard` and :func:`keep_lines`). Both write the same bytes and counts (``tests/finalize/
     test_merge_packed.py`` compares them). Runs in this process or in a pool process (its arguments and
     result are picklable).
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gym_ray.errors import AggregationError, UsageError
-from gym_ray.record.aggregate import AGGREGATE_ERRORS_FILE, AGGREGATE_FILE_NAME, AggregateEntry
+from gym_ray.finalize.aggregate import AGGREGATE_ERRORS_FILE, AGGREGATE_FILE_NAME, AggregateEntry
 from gym_ray.record.run_lock import RunLock, refuse_if_held
 from gym_ray.record.run_record import (
     RUN_RECORD_FILE,
@@ -98,7 +98,7 @@ def _topology(run_dir: Path, items: list[str], use_new_config: bool) -> tuple[An
 
 async def _aggregate(run_dir: Path, topology: Any, output: Path) -> tuple[Path | None, list[AggregateEntry]]:
     from gym_ray.dispatch.client import ServerClient
-    from gym_ray.record.aggregate import aggregate_run
+    from gym_ray.finalize.aggregate import aggregate_run
 
     async with ServerClient(topology) as client:
         path = await aggregate_run(run_dir, topology, client, raise_on_error=False, output_path=output)
@@ -123,7 +123,7 @@ def aggregate_main(args: argparse.Namespace) -> int:
         RunLockError: A run (or another aggregate) holds the folder; nothing is written.
         AggregationError: One or more servers failed (the previous metrics file is unchanged).
     """
-    from gym_ray.record.merge import merge_shards
+    from gym_ray.finalize.merge import merge_shards
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -184,7 +184,7 @@ def _republish(run_dir: Path, rollouts: Path, failures: Path, metrics: Path | No
     so the files beside ``P`` are this aggregate's, not links to the files it replaced; ``P``, or None when
     the run recorded no ``output_jsonl_fpath`` or ``P``'s run folder (as resolved from here) is not this one.
     """
-    from gym_ray.record.nemo_layout import publish_nemo_gym_layout
+    from gym_ray.finalize.nemo_layout import publish_nemo_gym_layout
 
     record = read_record(run_dir)
     config = record.get("config") if record is not None else None

@@ -15,8 +15,8 @@ import pytest
 
 from gym_ray import keys
 from gym_ray.errors import ConfigError, InputError, RecordError
+from gym_ray.finalize.merge import merge_shards
 from gym_ray.record.jsonl import parse_record
-from gym_ray.record.merge import merge_shards
 from gym_ray.record.shard_files import shard_paths
 from gym_ray.record.writer import ShardWriter
 
