@@ -27,42 +27,22 @@ def _first_time(marker: Path) -> bool:
     return True
 
 
-def _note_opentelemetry(note_dir: str, role: str) -> None:
-    """Write which ``opentelemetry`` modules this process has loaded to ``note_dir/<role>-<pid>.json``."""
-    loaded = sorted(name for name in sys.modules if name.split(".")[0] == "opentelemetry")
+def _note_modules(note_dir: str, role: str) -> None:
+    """Write which ``opentelemetry`` and ``gym_ray`` modules this process has loaded, by package, to
+    ``note_dir/<role>-<pid>.json``."""
+    loaded = {
+        top: sorted(name for name in sys.modules if name.split(".")[0] == top)
+        for top in ("opentelemetry", "gym_ray")
+    }
     Path(note_dir, f"{role}-{os.getpid()}.json").write_text(json.dumps(loaded))
 
 
-def _note_gym_ray(note_dir: str, role: str) -> None:
-    """Write which ``gym_ray`` modules this process has loaded to ``note_dir/<role>-<pid>.json``."""
-    loaded = sorted(name for name in sys.modules if name.split(".")[0] == "gym_ray")
-    Path(note_dir, f"{role}-{os.getpid()}.json").write_text(json.dumps(loaded))
-
-
-def plan_noting_gym_ray(note_dir: str, *args: Any, **kwargs: Any) -> Any:
+def plan_noting_modules(note_dir: str, *args: Any, **kwargs: Any) -> Any:
     """:func:`gym_ray.distributed.driver.plan_from_config`, then a note from the driver's process."""
     from gym_ray.distributed.driver import plan_from_config
 
     yield from plan_from_config(*args, **kwargs)
-    _note_gym_ray(note_dir, "driver")
-
-
-async def shard_noting_gym_ray(note_dir: str, spec: Any, **kwargs: Any) -> Any:
-    """:func:`gym_ray.run.collect.run_shard`, then a note of the worker's ``gym_ray`` modules."""
-    from gym_ray.run.collect import run_shard
-
-    report = await run_shard(spec, **kwargs)
-    _note_gym_ray(note_dir, "worker")
-    return report
-
-
-async def finalize_noting_gym_ray(note_dir: str, plan: Any, reports: Any, **kwargs: Any) -> Any:
-    """:func:`gym_ray.run.finalize.finalize_run`, then a note of the coordinator's ``gym_ray`` modules."""
-    from gym_ray.run.finalize import finalize_run
-
-    result = await finalize_run(plan, reports, **kwargs)
-    _note_gym_ray(note_dir, "coordinator")
-    return result
+    _note_modules(note_dir, "driver")
 
 
 async def shard_noting_modules(note_dir: str, spec: Any, **kwargs: Any) -> Any:
@@ -70,7 +50,7 @@ async def shard_noting_modules(note_dir: str, spec: Any, **kwargs: Any) -> Any:
     from gym_ray.run.collect import run_shard
 
     report = await run_shard(spec, **kwargs)
-    _note_opentelemetry(note_dir, "worker")
+    _note_modules(note_dir, "worker")
     return report
 
 
@@ -79,7 +59,7 @@ async def finalize_noting_modules(note_dir: str, plan: Any, reports: Any, **kwar
     from gym_ray.run.finalize import finalize_run
 
     result = await finalize_run(plan, reports, **kwargs)
-    _note_opentelemetry(note_dir, "coordinator")
+    _note_modules(note_dir, "coordinator")
     return result
 
 

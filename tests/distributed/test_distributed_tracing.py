@@ -16,14 +16,12 @@ import pytest
 
 from gym_ray import keys
 from gym_ray.config.run_config import resolve_run_config
-from gym_ray.distributed.api import acollect, plan_from_config, run_actors
+from gym_ray.distributed.api import acollect, run_actors
 from gym_ray.observe.tracing import JOB_SPAN, ROLLOUT_SPAN, setup_tracing_from_config, shutdown_tracing
 from gym_ray.servers import ThreadedDeployment, bundled_dataset_path, load_bundled_config, start_in_thread
 from tests.distributed.module_notes import (
-    finalize_noting_gym_ray,
     finalize_noting_modules,
-    plan_noting_gym_ray,
-    shard_noting_gym_ray,
+    plan_noting_modules,
     shard_noting_modules,
 )
 from tests.summaries import workers_that_dispatched
@@ -119,11 +117,12 @@ async def test_progress_line_shows_absolute_counts_and_mean_reward_by_server(
     assert last.endswith(f"| {means}")
 
 
-async def test_with_tracing_off_no_actor_process_imports_opentelemetry(
+async def test_each_actor_process_loads_only_its_roles_modules_and_no_opentelemetry(
     ray_session: Any, servers: ThreadedDeployment, tmp_path: Path
 ) -> None:
-    # The default shard and finalize functions, noting what their process has loaded once they are done
-    # (from a module of their own: this one imports OpenTelemetry, and the actors import what they call).
+    # The default planner, shard and finalize functions, noting what their process has loaded once they
+    # are done (from a module of their own: this one imports OpenTelemetry, and the actors import what
+    # they call). Tracing is off.
     notes = tmp_path / "notes"
     notes.mkdir()
     run = await resolve_run_config(
@@ -131,39 +130,21 @@ async def test_with_tracing_off_no_actor_process_imports_opentelemetry(
     )
     result = await run_actors(
         run,
-        functools.partial(plan_from_config, run, ray_session.put(_rows(20))),
+        functools.partial(plan_noting_modules, str(notes), run, ray_session.put(_rows(20))),
         run_dir=str(tmp_path / "run"),
         num_workers=2,
         shard_fn=functools.partial(shard_noting_modules, str(notes)),
         finalize_fn=functools.partial(finalize_noting_modules, str(notes)),
     )
     assert result.succeeded == 20
-    seen = {path.name.split("-")[0]: json.loads(path.read_text()) for path in notes.iterdir()}
-    assert set(seen) == {"worker", "coordinator"}
-    assert all(loaded == [] for loaded in seen.values()), seen
-
-
-async def test_each_actor_process_loads_only_its_roles_modules(
-    ray_session: Any, servers: ThreadedDeployment, tmp_path: Path
-) -> None:
-    notes = tmp_path / "notes"
-    notes.mkdir()
-    run = await resolve_run_config(
-        servers.config, settings={"output_dir": str(tmp_path / "run"), "shard_size": 5}
-    )
-    result = await run_actors(
-        run,
-        functools.partial(plan_noting_gym_ray, str(notes), run, ray_session.put(_rows(20))),
-        run_dir=str(tmp_path / "run"),
-        num_workers=2,
-        shard_fn=functools.partial(shard_noting_gym_ray, str(notes)),
-        finalize_fn=functools.partial(finalize_noting_gym_ray, str(notes)),
-    )
-    assert result.succeeded == 20
+    otel: dict[str, set[str]] = {}
     loaded: dict[str, set[str]] = {}
     for path in notes.iterdir():
-        loaded.setdefault(path.name.split("-")[0], set()).update(json.loads(path.read_text()))
-    assert set(loaded) == {"driver", "worker", "coordinator"}
+        note = json.loads(path.read_text())
+        role = path.name.split("-")[0]
+        otel.setdefault(role, set()).update(note["opentelemetry"])
+        loaded.setdefault(role, set()).update(note["gym_ray"])
+    assert otel == {"driver": set(), "worker": set(), "coordinator": set()}
     finishing = {"gym_ray.run.finalize", "gym_ray.finalize.merge", "gym_ray.finalize.aggregate"}
     dispatching = {"gym_ray.dispatch.engine", "gym_ray.record.writer", "gym_ray.distributed.worker"}
     assert loaded["driver"] & (finishing | dispatching) == set()  # plans and hands out, nothing more

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.main_script import run_as_main_script
 from tests.finalize.test_merge import rec, write_shard
+from tests.main_script import run_as_main_script
 
 MERGE = """
 if __name__ == "__main__":
