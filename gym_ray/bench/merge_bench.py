@@ -132,14 +132,19 @@ def _child(run_dir: str) -> None:
 
 
 def _child_ahead(run_dir: str) -> None:
-    """Reduce every shard ahead of the merge (as the coordinator does while a run goes on), then merge; print
-    both wall times as one JSON line: the second is what is left after the last shard is done."""
+    """Reduce every shard but the last ahead of the merge and grow the output's prefix with them (as the
+    coordinator does while a run goes on), then merge; print both wall times as one JSON line: the second is
+    what is left once the last shard is done (that shard read and written, the prefix renamed)."""
     from gym_ray.finalize.merge import merge_shards
-    from gym_ray.finalize.merge_ahead import reduce_ahead
+    from gym_ray.finalize.merge_ahead import grow_prefix, reduce_ahead
     from gym_ray.record.shard_files import list_shards
 
+    shards = list_shards(run_dir)
     wall0 = time.perf_counter()
-    stored = sum(reduce_ahead(run_dir, shard) for shard in list_shards(run_dir))
+    stored = 0
+    for shard in shards[:-1]:
+        stored += reduce_ahead(run_dir, shard)
+        grow_prefix(run_dir, shards)
     ahead_s = time.perf_counter() - wall0
     wall0 = time.perf_counter()
     merged = merge_shards(run_dir)
@@ -170,8 +175,9 @@ def run_merge_bench(rows: int = 1_000_000, shards: int = 64) -> dict[str, Any]:
         "peak_rss_mb"}`` (``merge_cpu_s``: the merging process's CPU; ``sorting_processes_cpu_s``: its
         pool's, start-up included; ``baseline_rss_mb``: the merging process's peak after its imports,
         before merging), and ``reduced_ahead_s`` / ``tail_after_ahead_s`` / ``tail_ratio``: the same shards
-        reduced one after the other ahead of the merge (as the coordinator does while a run goes on), then
-        merged: the merge's tail once every shard is done, and its ratio to the whole merge; also printed.
+        but the last reduced one after the other and appended to the output's prefix (as the coordinator
+        does while a run goes on), then merged: the merge's tail once the last shard is done, and its ratio
+        to the whole merge; also printed.
 
     Raises:
         ValueError: ``rows`` < 1 or ``shards`` < 1.
@@ -206,13 +212,13 @@ def run_merge_bench(rows: int = 1_000_000, shards: int = 64) -> dict[str, Any]:
         "tail_after_ahead_s": ahead["tail_s"],
         "tail_ratio": ahead["tail_s"] / child["wall_s"] if child["wall_s"] > 0 else 0.0,
     }
-    if ahead["stored"] != shards or ahead["successes"] != written["rows"]:
+    if ahead["stored"] != shards - 1 or ahead["successes"] != written["rows"]:
         raise RuntimeError(f"merge bench: {shards} shards reduced ahead, the child reported {ahead}")
     print(
         f"merge bench: rows={result['rows']} shards={shards} ({result['avg_record_bytes']:.0f} B/record) "
         f"{result['lines_per_s']:,.0f} lines/s, {result['merge_cpu_us_per_line']:.2f} us of CPU per line "
         f"(merging and sorting processes) peak_rss={result['peak_rss_mb']:.1f} MB "
-        f"(baseline {result['baseline_rss_mb']:.1f} MB); with every shard reduced ahead "
+        f"(baseline {result['baseline_rss_mb']:.1f} MB); with all shards but the last merged ahead "
         f"({result['reduced_ahead_s']:.2f} s while the run goes on) the merge's tail is "
         f"{result['tail_after_ahead_s']:.2f} s ({result['tail_ratio']:.2f} of the whole merge)",
         flush=True,

@@ -170,7 +170,13 @@ class RunCoordinator:
         self._ahead_wake.set()
 
     async def _reduce_ahead_loop(self) -> None:
-        from gym_ray.finalize.merge_ahead import reduce_ahead
+        from gym_ray.finalize.merge_ahead import grow_prefix, reduce_ahead
+
+        def reduce_and_grow(shard: str, planned: tuple[str, ...]) -> bool:
+            stored = reduce_ahead(self._run_dir, shard)
+            if stored:
+                grow_prefix(self._run_dir, planned)
+            return stored
 
         assert self._ahead_wake is not None
         while not self._ahead_stop:
@@ -180,7 +186,8 @@ class RunCoordinator:
                 continue
             shard = self._ahead.popleft()
             try:
-                if await asyncio.to_thread(reduce_ahead, self._run_dir, shard):
+                planned = tuple(spec.shard for spec in self._specs)
+                if await asyncio.to_thread(reduce_and_grow, shard, planned):
                     self.reduced_ahead += 1
             except Exception as exc:  # the final merge reduces the shard itself and reports any error
                 logger.info("coordinator: shard %s not reduced ahead of the merge: %s", shard, exc)

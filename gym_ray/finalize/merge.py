@@ -55,7 +55,6 @@ from __future__ import annotations
 import binascii
 import concurrent.futures
 import contextlib
-import errno
 import heapq
 import itertools
 import multiprocessing
@@ -65,7 +64,7 @@ import struct
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -80,7 +79,13 @@ from gym_ray.finalize._merge_shard import (
     read_shard,
     reduce_shard,
 )
-from gym_ray.finalize.merge_ahead import cached_reduction, discard_reductions
+from gym_ray.finalize.merge_ahead import (
+    append_file,
+    cached_reduction,
+    discard_reductions,
+    finish_prefix,
+    shards_to_reduce,
+)
 from gym_ray.record.atomic import atomic_writer
 from gym_ray.record.shard_files import list_shards, shard_paths
 
@@ -94,9 +99,6 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 _READ_CHUNK = 1 << 20
 _RUN_BUFFER = 1 << 18
 _WRITE_BATCH = 4096
-_COPY_CHUNK = 1 << 30
-#: copy_file_range errors that mean "not between these files": the copy goes on through a buffer.
-_NO_COPY_RANGE = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF})
 #: Default ``pool_min_bytes``: below this much shard data, starting worker processes (each imports gym_ray,
 #: about half a second) costs more than sorting in this process saves.
 POOL_MIN_BYTES = 32 << 20
@@ -229,8 +231,10 @@ def merge_shards(
     try:
         with contextlib.ExitStack() as stack:
             pool: Executor | None = None
-            processes = min(_usable_cpus() if workers is None else workers, len(shards))
-            if processes >= 2 and _shard_bytes(base, shards) > pool_min_bytes:
+            # the shards left to reduce here: those the run did not reduce ahead (merge_ahead)
+            pending = shards_to_reduce(base, shards)
+            processes = min(_usable_cpus() if workers is None else workers, len(pending))
+            if processes >= 2 and _shard_bytes(base, pending) > pool_min_bytes:
                 # The pool starts its processes as shards are queued: inside the block, so that none
                 # imports this process's main script (in a Ray actor: Ray itself, ~1 s of CPU each).
                 stack.enter_context(main_script_not_rerun())
@@ -294,6 +298,11 @@ def _merge(
     """Merge by reducing each shard alone when no two shards share an identity, else by the general way."""
     tally = Tally()
     with tempfile.TemporaryDirectory(dir=base, prefix=".merge-") as tmp:
+        # the output grown while the run went on, when it is still valid: only the rest is merged here
+        done = finish_prefix(base, shards, successes_path, failures_path, _rest_reducer(Path(tmp), pool))
+        if done is not None:
+            discard_reductions(base)
+            return done
         reduced = _each_shard(_reduce_or_reuse, base, shards, Path(tmp), pool)
         kept = in_identity_order(reduced)
         if kept is not None:
@@ -301,8 +310,8 @@ def _merge(
                 tally.add(part.tally)
             with atomic_writer(successes_path) as out_ok, atomic_writer(failures_path) as out_failed:
                 for part in kept:
-                    _append_file(part.successes, out_ok)
-                    _append_file(part.failures, out_failed)
+                    append_file(part.successes, out_ok)
+                    append_file(part.failures, out_failed)
             discard_reductions(base)
             return tally
     discard_reductions(base)
@@ -314,32 +323,17 @@ def _merge(
             width = max(exc.needed, 2 * width)
 
 
+def _rest_reducer(tmp: Path, pool: Executor | None) -> Callable[[Path, list[str]], list[Reduced]]:
+    def reduce_rest(base: Path, rest: list[str]) -> list[Reduced]:
+        return _each_shard(_reduce_or_reuse, base, rest, tmp, pool)
+
+    return reduce_rest
+
+
 def _reduce_or_reuse(base: Path, shard: str, number: int, tmp: Path) -> Reduced:
     """The shard's reduction made while the run went on, if still the shard's
     (:mod:`gym_ray.finalize.merge_ahead`), else a new one in ``tmp``."""
     return cached_reduction(base, shard) or reduce_shard(base, shard, number, tmp)
-
-
-def _append_file(path: Path, out: BinaryIO) -> None:
-    """Append ``path``'s bytes to ``out``: in the kernel (``os.copy_file_range``) where the platform and
-    the file systems allow, else through a buffer."""
-    out.flush()
-    with path.open("rb", buffering=0) as source:
-        src, dst = source.fileno(), out.fileno()
-        copy_range = getattr(os, "copy_file_range", None)
-        if copy_range is not None:
-            try:
-                while copy_range(src, dst, _COPY_CHUNK):
-                    pass
-                return
-            except OSError as exc:
-                if exc.errno not in _NO_COPY_RANGE:
-                    raise
-        # what copy_file_range copied moved both file offsets, so the buffered copy goes on from there
-        while chunk := os.read(src, _READ_CHUNK):
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(dst, view) :]
 
 
 def _merge_sorted(

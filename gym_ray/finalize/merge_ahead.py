@@ -1,4 +1,4 @@
-"""Merge work done while the run goes on: each finished shard reduced ahead, reused by the final merge.
+"""Merge work done while the run goes on: each finished shard reduced ahead, and the output grown as a prefix.
 
 The costly part of a merge is reading, ordering and keeping each shard's lines
 (:func:`~gym_ray.finalize._merge_shard.reduce_shard`); what is left once every shard is reduced is appending
@@ -14,35 +14,67 @@ and the merge compares it with the files as they are. A shard written after its 
 repaired tail, a zombie writer's late line) has other files and is reduced again; a reduction that cannot
 be read is ignored. So the merged bytes and counts are what a merge without it writes (tests compare them).
 
-Crash safety: a reduction is written into a temp folder beside it and renamed into place, so a reader sees a
-whole one or none; a crash leaves at most a temp folder, which the next :func:`reduce_ahead` of the shard or
-the merge removes. ``rollouts.jsonl`` itself is still published once, atomically, by the final merge: the
-reductions are not a prefix of it that a reader could take for the output.
+The prefix: shards are contiguous blocks of the input, so the merged output can grow while the run goes on.
+:func:`grow_prefix` (the coordinator calls it after each reduction) appends, in plan order, every next shard
+whose reduction is stored to ``.merge-ahead/prefix.jsonl`` and ``prefix-failures.jsonl``, fsyncs them and
+records the shards in it (with their files' identity, span and counts) and the files' sizes in
+``prefix.json`` (atomic replace). :func:`finish_prefix` (called by the final merge) checks the prefix is still
+valid (its shards are the run's first, their files unchanged, the rest after it in identity order), appends
+the rest, fsyncs and renames the two files to ``rollouts_failures.jsonl`` then ``rollouts.jsonl``. So after
+the last rollout only the last shards are read and written; the bytes and counts are a cold merge's. Where
+the prefix does not hold (shards that share identities, a shard written again), the merge ignores it.
 
-Concurrency: one reduction per shard at a time (the coordinator runs them one after the other in a thread);
-the final merge must start after the last :func:`reduce_ahead` returned, and removes the folder when done.
+Crash safety: the prefix is published under another name (``.merge-ahead/prefix.jsonl``) until the end, and
+renamed into place only when whole: a reader never sees a half-written ``rollouts.jsonl``. Bytes appended
+after the last ``prefix.json`` (a crash mid-append) are cut off before the prefix grows or is finished. A
+reduction is written into a temp folder and renamed into place; a killed run's ``.merge-ahead`` is swept at
+the next start (``.merge-*``).
+
+Concurrency: one reduction or prefix step at a time (the coordinator runs them one after the other in a
+thread); the final merge must start after the last of them returned, and removes the folder when done.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from gym_ray.finalize._merge_shard import Reduced, Tally, reduce_shard
+from gym_ray.finalize._merge_shard import Reduced, Tally, in_identity_order, reduce_shard
+from gym_ray.record.atomic import atomic_write_bytes, fsync_dir
 from gym_ray.record.shard_files import shard_paths
 
-__all__ = ["AHEAD_DIR", "cached_reduction", "discard_reductions", "reduce_ahead"]
+__all__ = [
+    "AHEAD_DIR",
+    "append_file",
+    "cached_reduction",
+    "discard_reductions",
+    "finish_prefix",
+    "grow_prefix",
+    "reduce_ahead",
+    "shards_to_reduce",
+]
 
 #: The folder of the reductions, in the run folder.
 AHEAD_DIR = ".merge-ahead"
 _META = "reduction.json"
 _OK = "kept.jsonl"
 _FAILED = "kept-failures.jsonl"
+#: The output grown as a prefix: its record (shards in it, their files' identity, span and counts, the two
+#: files' sizes) and the two files, which become rollouts.jsonl / rollouts_failures.jsonl at the end.
+_PREFIX = "prefix.json"
+_PREFIX_OK = "prefix.jsonl"
+_PREFIX_FAILED = "prefix-failures.jsonl"
+_READ_CHUNK = 1 << 20
+_COPY_CHUNK = 1 << 30
+#: copy_file_range errors that mean "not between these files": the copy goes on through a buffer.
+_NO_COPY_RANGE = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF})
 
 
 def _files_identity(base: Path, shard: str) -> list[list[int] | None]:
@@ -119,3 +151,159 @@ def discard_reductions(run_dir: str | os.PathLike[str]) -> None:
     """Remove every stored reduction of ``run_dir`` (after the merge that used them)."""
     with contextlib.suppress(FileNotFoundError):
         shutil.rmtree(Path(run_dir) / AHEAD_DIR)
+
+
+def append_file(path: Path, out: BinaryIO) -> None:
+    """Append ``path``'s bytes to ``out``: in the kernel (``os.copy_file_range``) where the platform and
+    the file systems allow, else through a buffer."""
+    out.flush()
+    with path.open("rb", buffering=0) as source:
+        src, dst = source.fileno(), out.fileno()
+        copy_range = getattr(os, "copy_file_range", None)
+        if copy_range is not None:
+            try:
+                while copy_range(src, dst, _COPY_CHUNK):
+                    pass
+                return
+            except OSError as exc:
+                if exc.errno not in _NO_COPY_RANGE:
+                    raise
+        # what copy_file_range copied moved both file offsets, so the buffered copy goes on from there
+        while chunk := os.read(src, _READ_CHUNK):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(dst, view) :]
+
+
+Span = tuple[tuple[int, int], tuple[int, int]]
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _span_of(value: Any) -> Span | None:
+    return None if value is None else ((value[0][0], value[0][1]), (value[1][0], value[1][1]))
+
+
+def _comes_after(last: Span | None, span: Span | None) -> bool:
+    """Whether the lines of ``span`` all come after a prefix whose lines end at ``last`` (None: yes)."""
+    return last is None or span is None or last[1] < span[0]
+
+
+def shards_to_reduce(base: Path, shards: list[str]) -> list[str]:
+    """The shards a merge of ``shards`` has to reduce itself: those neither in the prefix (if it holds) nor
+    with a valid stored reduction (for sizing its process pool; the merge checks each again)."""
+    covered = _prefix_covers(base, shards, _read_json(base / AHEAD_DIR / _PREFIX)) or 0
+    return [shard for shard in shards[covered:] if cached_reduction(base, shard) is None]
+
+
+def _prefix_covers(base: Path, shards: list[str], record: Any) -> int | None:
+    """How many of ``shards`` the recorded prefix holds, or None when it does not hold (none recorded, it
+    stopped, its shards are not the first of ``shards``, or one's files changed since it went in)."""
+    if not record or record["stopped"] or not record["shards"]:
+        return None
+    entries: list[dict[str, Any]] = record["shards"]
+    if shards[: len(entries)] != [e["shard"] for e in entries] or any(
+        e["files"] != _files_identity(base, e["shard"]) for e in entries
+    ):
+        return None
+    return len(entries)
+
+
+def grow_prefix(run_dir: str | os.PathLike[str], planned: Sequence[str]) -> int:
+    """Append to the prefix output every next shard, in plan order, whose reduction is stored and still the
+    shard's; fsync; record it; drop those reductions. Returns the shards in the prefix now.
+
+    The prefix stops growing for good (its record says so) when a shard's span does not come after the
+    prefix's last identity (shards that share identities: the final merge takes the general way) or when
+    its files are not as recorded; the final merge then ignores it.
+    """
+    ahead = Path(run_dir) / AHEAD_DIR
+    record = _read_json(ahead / _PREFIX) or {"shards": [], "sizes": [0, 0], "last": None, "stopped": False}
+    if record["stopped"]:
+        return len(record["shards"])
+    shards: list[dict[str, Any]] = record["shards"]
+    if list(planned[: len(shards)]) != [entry["shard"] for entry in shards]:
+        return len(shards)
+    grown = []
+    with (ahead / _PREFIX_OK).open("ab") as out_ok, (ahead / _PREFIX_FAILED).open("ab") as out_failed:
+        for handle, size in zip((out_ok, out_failed), record["sizes"], strict=True):
+            handle.truncate(size)  # bytes appended after the last record (a crash) are not the prefix's
+            handle.seek(size)
+        for shard in planned[len(shards) :]:
+            part = cached_reduction(Path(run_dir), shard)
+            if part is None:
+                break
+            if not _comes_after(_span_of(record["last"]), part.span):
+                record["stopped"] = True
+                break
+            append_file(part.successes, out_ok)
+            append_file(part.failures, out_failed)
+            meta = _read_json(ahead / shard / _META)
+            shards.append(
+                {"shard": shard, "files": meta["files"], "span": part.span, "tally": vars(part.tally)}
+            )
+            record["last"] = part.span if part.span is not None else record["last"]
+            grown.append(shard)
+        for handle in (out_ok, out_failed):
+            handle.flush()
+            os.fsync(handle.fileno())
+        record["sizes"] = [out_ok.tell(), out_failed.tell()]
+    atomic_write_bytes(ahead / _PREFIX, json.dumps(record).encode())
+    for shard in grown:
+        shutil.rmtree(ahead / shard, ignore_errors=True)
+    return len(shards)
+
+
+def finish_prefix(
+    base: Path,
+    shards: list[str],
+    successes_path: Path,
+    failures_path: Path,
+    reduce_rest: Callable[[Path, list[str]], list[Reduced]],
+) -> Tally | None:
+    """Finish the merge from the prefix output grown while the run went on, when it is still valid: its
+    shards are the first of ``shards``, with their files as recorded, and the rest come after it in identity
+    order. Appends the rest, fsyncs, and renames the two files into place (failures first, as the merge
+    does). Returns the merge's counts, or None (nothing touched) when there is no usable prefix.
+    """
+    ahead = base / AHEAD_DIR
+    record = _read_json(ahead / _PREFIX)
+    covered = _prefix_covers(base, shards, record)
+    if covered is None:
+        return None
+    entries: list[dict[str, Any]] = record["shards"]
+    paths = (ahead / _PREFIX_OK, ahead / _PREFIX_FAILED)
+    if any(
+        not path.is_file() or path.stat().st_size < size
+        for path, size in zip(paths, record["sizes"], strict=True)
+    ):
+        return None
+    rest = reduce_rest(base, shards[len(entries) :])
+    kept = in_identity_order(rest)
+    if kept is None or (kept and not _comes_after(_span_of(record["last"]), kept[0].span)):
+        return None
+    tally = Tally()
+    for entry in entries:
+        for name, value in entry["tally"].items():
+            setattr(tally, name, getattr(tally, name) + value)
+    for part in rest:
+        tally.add(part.tally)
+    with paths[0].open("r+b") as out_ok, paths[1].open("r+b") as out_failed:
+        for handle, size in zip((out_ok, out_failed), record["sizes"], strict=True):
+            handle.truncate(size)
+            handle.seek(size)
+        for part in kept:
+            append_file(part.successes, out_ok)
+            append_file(part.failures, out_failed)
+        for handle in (out_ok, out_failed):
+            handle.flush()
+            os.fsync(handle.fileno())
+    os.replace(paths[1], failures_path)
+    os.replace(paths[0], successes_path)
+    fsync_dir(base)
+    return tally

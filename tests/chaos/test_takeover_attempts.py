@@ -305,7 +305,7 @@ async def test_a_worker_that_takes_over_a_shard_sends_its_in_flight_rows_with_a_
             # The shard's owner has every row in flight, held at the server.
             await wait_for(env.all_held, "every row's first request to reach the server")
             assert started
-            driver = started[0].host
+            driver = started[0].driver
             status: DriverStatus = await driver.status.remote()
             ((owner, (shard,)),) = [(w, s) for w, s in status.in_flight.items() if s]
             assert await driver.worker_lost.remote(owner) == [shard]

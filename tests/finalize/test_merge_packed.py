@@ -19,7 +19,7 @@ import pytest
 
 from gym_ray import keys
 from gym_ray.errors import InputError
-from gym_ray.finalize import merge
+from gym_ray.finalize import merge, merge_ahead
 from gym_ray.finalize._merge_shard import (
     Tally,
     _keep_packed,
@@ -196,7 +196,7 @@ def test_kept_files_are_appended_alike_in_the_kernel_or_through_a_buffer(
     with out_path.open("wb") as out:
         out.write(b"head:")  # buffered bytes written before the appended files must come first
         for part in parts:
-            merge._append_file(part, out)
+            merge_ahead.append_file(part, out)
         out.write(b":end")
     assert out_path.read_bytes() == b"head:" + expected + b":end"
 
@@ -208,7 +208,7 @@ def test_other_copy_errors_are_raised(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(os, "copy_file_range", no_space, raising=False)
     (tmp_path / "part").write_bytes(b"x\n")
     with (tmp_path / "out").open("wb") as out, pytest.raises(OSError, match="No space"):
-        merge._append_file(tmp_path / "part", out)
+        merge_ahead.append_file(tmp_path / "part", out)
 
 
 def test_this_process_takes_shards_from_the_back_while_the_pool_works(tmp_path: Path) -> None:
