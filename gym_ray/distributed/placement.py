@@ -274,9 +274,9 @@ def control_actor_options(resource: str | None) -> dict[str, Any]:
         custom = sorted(k for k in held if k not in _RAY_BUILTIN and not k.startswith("node:"))
         raise ConfigError(
             f"control_actors_resource={resource!r}: no node of this Ray cluster holds that resource "
-            f"(custom resources: {', '.join(custom) or 'none'}); start a node with "
-            f"`ray start --resources='{{\"{resource}\": 1}}'` or leave the setting out to place the "
-            "driver and the coordinator on this node"
+            f"(custom resources: {', '.join(custom) or 'none'}); give a node of the cluster the run joins "
+            f"(--address / RAY_ADDRESS) that resource, `ray start --resources='{{\"{resource}\": 1}}'`, or "
+            "leave the setting out to place the driver and the coordinator on this node"
         )
     return {"num_cpus": 0, "resources": {resource: CONTROL_RESOURCE_SHARE}}
 

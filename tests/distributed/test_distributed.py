@@ -332,8 +332,8 @@ async def test_a_control_actors_resource_no_node_holds_is_refused_before_anythin
         )
     assert str(caught.value) == (
         "control_actors_resource='gym_ray_nowhere': no node of this Ray cluster holds that resource "
-        "(custom resources: none); start a node with "
-        "`ray start --resources='{\"gym_ray_nowhere\": 1}'` or leave the setting out to place the driver "
-        "and the coordinator on this node"
+        "(custom resources: none); give a node of the cluster the run joins (--address / RAY_ADDRESS) that "
+        "resource, `ray start --resources='{\"gym_ray_nowhere\": 1}'`, or leave the setting out to place "
+        "the driver and the coordinator on this node"
     )
     assert sum(servers.stats(env).requests for env in ENVS) == 0
