@@ -389,6 +389,7 @@ def test_run_settings_defaults() -> None:
         "max_failed_fraction": 0.0,
         "strict_json": True,
         "use_new_config": False,
+        "control_actors_resource": None,
     }
 
 
