@@ -55,7 +55,7 @@ CHAOS_SCENARIOS = ("outage", "outage-timeout", "busy-folder", "secret", "quarant
 #: Seconds a child run may take before the scenario fails.
 CHILD_TIMEOUT_S = 600.0
 #: Prefixes of the temp folders a killed run may leave.
-TEMP_PREFIXES = (".staging", ".aggregate", ".merge")
+TEMP_PREFIXES = (".staging", ".aggregate", ".merge", ".control")
 SEEDED_SECRETS = ("sk-SEEDED-api-key-7f3a9", "SEEDED-password-41c2", "SEEDED-token-9d0e")
 
 

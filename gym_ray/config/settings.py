@@ -401,6 +401,10 @@ class RunSettings(BaseModel):
             actors go to a node holding it instead of the caller's node (a job submitted from a machine
             that is not a cluster node; e.g. ``ray start --resources='{"gym_ray_control": 1}'`` on the
             head). None: the caller's node.
+        control_actor_restarts: how many times Ray restarts the run's driver or coordinator actor when its
+            process dies; the new process takes up the dead one's state from the run folder and the run
+            goes on in the same call (:mod:`gym_ray.distributed.journal`). Once they are spent the run
+            stops, resumable, naming the actor. 0: never restart.
         use_new_config: resume a run folder whose recorded servers (``gym_ray_run.json``) are at other
             addresses than this config resolves to (``gym-ray run --use-new-config``); without it such a
             resume is refused before anything starts. The config's identity must match either way.
@@ -451,6 +455,7 @@ class RunSettings(BaseModel):
     strict_json: bool = True
     use_new_config: bool = False
     control_actors_resource: str | None = Field(None, min_length=1)
+    control_actor_restarts: int = Field(3, ge=0)
 
     @model_validator(mode="before")
     @classmethod

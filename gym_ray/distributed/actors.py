@@ -131,8 +131,9 @@ async def close_actors(handles: Sequence[Any], *, timeout_s: float) -> None:
 _PROBE_S = 30.0
 
 
-async def raise_if_control_actor_lost(actors: RunActors, run_dir: str) -> None:
-    """Raise :class:`ActorLostError` naming the run's driver or coordinator actor when one died."""
+async def raise_if_control_actor_lost(actors: RunActors, run_dir: str, restarts: int = 0) -> None:
+    """Raise :class:`ActorLostError` naming the run's driver or coordinator actor when one died for good
+    (``restarts``: the restarts Ray had for it, all spent by then)."""
     import ray
 
     for role, handle, name in (
@@ -143,9 +144,10 @@ async def raise_if_control_actor_lost(actors: RunActors, run_dir: str) -> None:
             await asyncio.wait_for(asyncio.wrap_future(handle.pid.remote().future()), _PROBE_S)
         except ray.exceptions.RayActorError as exc:
             reason = (str(exc).strip().splitlines() or ["no reason given"])[0]
+            spent = f" and its {restarts} restart(s) are spent" if restarts else ""
             raise ActorLostError(
-                f"the run's {role} actor ({name}) died ({reason[:200]}); the run cannot go on without "
-                f"it; {resume_hint(run_dir)}",
+                f"the run's {role} actor ({name}) died ({reason[:200]}){spent}; the run cannot go on "
+                f"without it; {resume_hint(run_dir)}",
                 role=role,
                 run_dir=run_dir,
             ) from None

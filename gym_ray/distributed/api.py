@@ -27,7 +27,6 @@ node (``rebalance_every_s``): the moved worker finishes its shards first, so not
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import sys
 import time
@@ -44,7 +43,14 @@ from gym_ray.distributed.actors import (
     teardown_actors,
 )
 from gym_ray.distributed.coordinator import FinalizeFn, RunCoordinator, coordinator_max_concurrency
-from gym_ray.distributed.driver import Planner, RunDriver, driver_max_concurrency, plan_from_config
+from gym_ray.distributed.driver import (
+    ConfigPlanner,
+    Planner,
+    RunDriver,
+    driver_max_concurrency,
+    plan_from_config,
+)
+from gym_ray.distributed.journal import call_folder, remove_call_folder
 from gym_ray.distributed.live import (
     DEFAULT_PROGRESS_INTERVAL_S,
     ProgressHook,
@@ -188,15 +194,26 @@ async def run_actors(
         else f"on a node with Ray resource {settings.control_actors_resource!r}",
     )
     # Actor handles are typed Any: Ray's stubs do not type ``.remote`` calls of plain classes.
+    # A control actor whose process dies is restarted by Ray and takes up its journal; calls it left
+    # unanswered are sent again (each is answered the same way twice, see gym_ray.distributed.journal).
+    journals = call_folder(run_dir)
+    control["max_restarts"] = settings.control_actor_restarts
+    control["max_task_retries"] = -1 if settings.control_actor_restarts else 0
+    coordinator_name = f"gym_ray_coordinator_{Path(journals).name}"  # see RunDriver's coordinator
     coordinator: Any = (
         ray.remote(RunCoordinator)
-        .options(max_concurrency=coordinator_concurrency, **control)
-        .remote(run_dir, run, finalize_fn=finalize_fn)
+        .options(max_concurrency=coordinator_concurrency, name=coordinator_name, **control)
+        .remote(run_dir, run, finalize_fn=finalize_fn, journal=f"{journals}/coordinator.jsonl")
     )
     driver: Any = (
         ray.remote(RunDriver)
         .options(max_concurrency=driver_concurrency, **control)
-        .remote(planner, lookahead=2 * num_workers, coordinator=coordinator)
+        .remote(
+            planner,
+            lookahead=2 * num_workers,
+            coordinator=coordinator_name,
+            journal=f"{journals}/driver.jsonl",
+        )
     )
     actors = RunActors(driver=driver, coordinator=coordinator)
     worker_class: Any = ray.remote(RolloutWorker)
@@ -275,7 +292,7 @@ async def run_actors(
                     moving = None if worker_id == moving else moving
                     # A worker's run() also fails when a control actor it talks to died: name that
                     # actor instead of blaming (and replacing) the workers.
-                    await raise_if_control_actor_lost(actors, run_dir)
+                    await raise_if_control_actor_lost(actors, run_dir, settings.control_actor_restarts)
                     actors.lost.append(worker_id)
                     requeued = await driver.worker_lost.remote(worker_id)
                     logger.warning(
@@ -329,13 +346,16 @@ async def run_actors(
             logger.debug("collect: the coordinator's metrics summary is not available: %s", exc)
         return result
     except ray.exceptions.RayActorError:
-        await raise_if_control_actor_lost(actors, run_dir)
+        await raise_if_control_actor_lost(actors, run_dir, settings.control_actor_restarts)
         raise
     finally:
         await stop_poller(poller)
-        await teardown_actors(
-            actors, runs, refs, graceful=finished, grace_s=cancel_grace_s, close_grace_s=close_grace_s
-        )
+        try:
+            await teardown_actors(
+                actors, runs, refs, graceful=finished, grace_s=cancel_grace_s, close_grace_s=close_grace_s
+            )
+        finally:
+            remove_call_folder(journals)
 
 
 async def _move_a_worker(driver: Any, placement: WorkerPlacement, actors: RunActors) -> str | None:
@@ -472,7 +492,7 @@ async def _collect_on_ray(
         async with ray_connection(address) as ray:
             workers = num_workers or run.settings.num_workers or default_num_workers(ray)
             rows_ref = ray.put(row_list) if row_list is not None else None
-            planner = functools.partial(plan_from_config, run, rows_ref, workers, checked)
+            planner = ConfigPlanner(run, rows_ref, workers, checked)
             with job_span_for(tracer, run_dir=run_dir) as span:
                 result = await run_actors(
                     run,

@@ -20,16 +20,18 @@ Ray resources: IO bound (``num_cpus=0``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gym_ray.distributed.journal import ControlJournal
 from gym_ray.record.atomic import atomic_write_bytes
 
 if TYPE_CHECKING:
@@ -117,6 +119,11 @@ class RunCoordinator:
         finalize_fn: Merges and aggregates the run; :func:`gym_ray.run.finalize.finalize_run` by default.
         client_factory: Builds the client pool used to aggregate.
         clock: Monotonic clock, injected for tests; elapsed time counts from construction.
+        journal: This run call's coordinator journal (see :mod:`gym_ray.distributed.journal`): every
+            planned shard and accepted report is written there before it counts, and a coordinator built
+            on a journal that holds lines (its process was restarted) counts them again from it, so its
+            status, plan and finalization are the dead process's. A shard's report counts once however
+            often it is delivered. ``None``: no journal (a restart would start from nothing).
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class RunCoordinator:
         finalize_fn: FinalizeFn | None = None,
         client_factory: Callable[[RunConfig], ServerClient] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        journal: str | None = None,
     ) -> None:
         self._run_dir = run_dir
         self._run = run
@@ -142,6 +150,7 @@ class RunCoordinator:
         self._workers: set[str] = set()
         self._reports: list[ShardReport] = []
         self._specs: list[ShardSpec] = []
+        self._planned_shards: set[str] = set()
         self._rows_planned = 0
         self._rows_total: int | None = None
         self._plan_done = False
@@ -153,6 +162,32 @@ class RunCoordinator:
         self._ahead_task: asyncio.Task[None] | None = None
         self._ahead_stop = False
         self.reduced_ahead = 0
+        self._journal: ControlJournal | None = None
+        if journal is not None:
+            self._take_up(ControlJournal(journal))
+
+    def _take_up(self, journal: ControlJournal) -> None:
+        """Count again what a dead process of this actor had counted (a restart), then journal from here."""
+        entries = journal.entries()
+        for entry in entries:
+            if "started_wall" in entry:  # elapsed time counts from the first process's start
+                self._started = self._clock() - max(0.0, time.time() - entry["started_wall"])
+            elif "spec" in entry:
+                self._add_spec(_spec_of(entry["spec"]))
+            elif "plan_done" in entry:
+                self._plan_done = True
+            elif "report" in entry:
+                self._count(_report_of(entry["report"]), entry["by_server"], entry["at"])
+        self._journal = journal
+        if entries:
+            logger.warning(
+                "coordinator: restarted; took up %d planned shards and %d shard reports from %s",
+                len(self._specs),
+                len(self._reports),
+                journal.path,
+            )
+        else:
+            journal.append({"started_wall": time.time()})
 
     def _reduce_ahead_later(self, shard: str) -> None:
         """Queue a finished shard for its reduction ahead of the merge (needs the actor's running loop)."""
@@ -234,8 +269,20 @@ class RunCoordinator:
             by_server: That call's successes as ``{environment server: (count, reward sum)}`` (live
                 progress; see :class:`~gym_ray.distributed.worker.OutcomeTally`).
         """
-        self._shards_done.add(report.shard)
+        if report.shard in self._shards_done:
+            # sent again by Ray after this actor's or the driver's process died before answering
+            logger.info("coordinator: shard %s was counted already; not counted again", report.shard)
+            return
+        at = self._clock() - self._started
+        if self._journal is not None:
+            self._journal.append(
+                {"report": report.model_dump(mode="json"), "by_server": dict(by_server or {}), "at": at}
+            )
+        self._count(report, by_server, at)
         self._reduce_ahead_later(report.shard)
+
+    def _count(self, report: ShardReport, by_server: Mapping[str, Sequence[float]] | None, at: float) -> None:
+        self._shards_done.add(report.shard)
         for server, (count, reward) in (by_server or {}).items():
             entry = self._by_server.setdefault(server, [0, 0.0])
             entry[0] += count
@@ -254,15 +301,25 @@ class RunCoordinator:
                 worker=report.worker,
                 wall_s=report.wall_s,
                 dispatched=report.dispatched,
-                reported_at_s=self._clock() - self._started,
+                reported_at_s=at,
             )
         )
 
     async def plan_progress(self, spec: ShardSpec | None) -> None:
         """The driver's planning progress: one more planned shard, or ``None`` when planning ended."""
         if spec is None:
+            if not self._plan_done and self._journal is not None:
+                self._journal.append({"plan_done": True})
             self._plan_done = True
             return
+        if spec.shard in self._planned_shards:
+            return  # a restarted driver plans the folder again: the shard is known
+        if self._journal is not None:
+            self._journal.append({"spec": dataclasses.asdict(spec)})
+        self._add_spec(spec)
+
+    def _add_spec(self, spec: ShardSpec) -> None:
+        self._planned_shards.add(spec.shard)
         self._specs.append(spec)
         self._rows_planned += spec.num_rows
         if spec.run_rows is not None:
@@ -398,6 +455,18 @@ class RunCoordinator:
             ],
         }
         atomic_write_bytes(path, (json.dumps(summary, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _spec_of(fields: dict[str, Any]) -> ShardSpec:
+    from gym_ray.plan.shards import ShardSpec
+
+    return ShardSpec(**fields)
+
+
+def _report_of(fields: dict[str, Any]) -> ShardReport:
+    from gym_ray.run.result import ShardReport
+
+    return ShardReport.model_validate(fields)
 
 
 def _default_client(run: RunConfig) -> ServerClient:

@@ -38,9 +38,10 @@ import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from gym_ray.distributed.journal import ControlJournal
 from gym_ray.errors import GymRayError, InternalError, ShardLockError
 
 if TYPE_CHECKING:
@@ -102,6 +103,10 @@ class ShardDriver:
         lookahead: How many planned shards may wait in the queue (e.g. ``2 x num_workers``).
         on_planned: Awaited with each planned shard, then with ``None`` when planning ended (the
             coordinator's :meth:`~gym_ray.distributed.coordinator.RunCoordinator.plan_progress`; optional).
+        journal: Where each hand-out decision is written before it is answered; a driver built on a
+            journal that holds lines (its process was restarted) takes up the dead process's state from
+            it: who holds which shard, what is complete, failed, lost or retired (see
+            :mod:`gym_ray.distributed.journal`).
         clock: Monotonic clock, injected for tests.
     """
 
@@ -111,6 +116,7 @@ class ShardDriver:
         *,
         lookahead: int,
         on_planned: Callable[[ShardSpec | None], Awaitable[None]] | None = None,
+        journal: ControlJournal | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if lookahead < 1:
@@ -137,6 +143,58 @@ class ShardDriver:
         self._retired: set[str] = set()
         self._failures: list[ShardFailure] = []
         self._requeued_total = 0
+        # hand-outs by the worker's ask id: a call Ray sends again after a restart gets the same shard
+        self._asks: dict[str, str] = {}
+        self._journal = journal
+        if journal is not None:
+            self._replay(journal.entries())
+
+    # -- journal ---------------------------------------------------------------------------------
+
+    def _note(self, **entry: Any) -> None:
+        if self._journal is not None:
+            self._journal.append(entry)
+
+    def _replay(self, entries: list[dict[str, Any]]) -> None:
+        """Take up a dead process's decisions (the constructor of a restarted driver actor).
+
+        Planning starts over (it finds the folder planned and verifies it); the plan loop then queues only
+        the shards nobody holds and that are neither complete nor failed.
+        """
+        for entry in entries:
+            if "give" in entry:
+                shard, worker = entry["give"], entry["worker"]
+                self._owner[shard] = worker
+                self._by_worker.setdefault(worker, set()).add(shard)
+                self._history.setdefault(worker, []).append(shard)
+                if entry.get("ask") is not None:
+                    self._asks[entry["ask"]] = shard
+            elif "done" in entry:
+                self._release(entry["done"])
+                self._completed.add(entry["done"])
+            elif "failed" in entry:
+                self._release(entry["failed"])
+                self._failures.append(
+                    ShardFailure(entry["failed"], entry["worker"], entry["type"], entry["message"])
+                )
+            elif "lost" in entry:
+                self._lost.add(entry["lost"])
+                self._requeued_total += len(self._by_worker.pop(entry["lost"], set()))
+                self._owner = {s: w for s, w in self._owner.items() if w != entry["lost"]}
+            elif "retired" in entry:
+                self._retired.add(entry["retired"])
+        if entries:
+            logger.warning(
+                "driver: restarted; took up %d hand-outs in flight and %d complete shards from %s",
+                len(self._owner),
+                len(self._completed),
+                self._journal.path if self._journal is not None else "?",
+            )
+
+    def _release(self, shard: str) -> None:
+        worker = self._owner.pop(shard, None)
+        if worker is not None:
+            self._by_worker[worker].discard(shard)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -193,9 +251,11 @@ class ShardDriver:
                     if spec is None:
                         self._plan_done = True
                     else:
-                        self._planned.append(spec)
                         self._planned_shards += 1
                         self._planned_rows += spec.num_rows
+                        self._spec[spec.shard] = spec
+                        if not self._decided(spec.shard):
+                            self._planned.append(spec)
                     cond.notify_all()
                 if self._on_planned is not None:
                     await self._on_planned(spec)
@@ -225,21 +285,39 @@ class ShardDriver:
 
     # -- hand-out --------------------------------------------------------------------------------
 
+    def _decided(self, shard: str) -> bool:
+        """True when a restarted driver's journal says ``shard`` is held, complete or failed."""
+        return (
+            shard in self._owner
+            or shard in self._completed
+            or any(failure.shard == shard for failure in self._failures)
+        )
+
     def _finished(self) -> bool:
         """True when no more shards will be handed out."""
         if self._plan_error is not None or self._failures or self._closing:
             return True
         return self._plan_done and not self._planned and not self._requeued and not self._owner
 
-    async def next_shard(self, worker_id: str) -> ShardSpec | None:
+    async def next_shard(self, worker_id: str, ask: str | None = None) -> ShardSpec | None:
         """The next shard for ``worker_id`` to run, or ``None`` when it should stop.
 
         Waits while nothing is queued but shards are still planned or in flight elsewhere (their worker
         might die). Returns ``None`` when every shard is complete, when the run is aborted (a shard or
         the plan failed), or when ``worker_id`` was declared lost or retired.
+
+        ``ask`` names this request (unique per worker and request): the same ``ask`` again (Ray sends a
+        call again when the driver's process died before answering it) gets the shard it was given, as
+        long as ``worker_id`` still holds it.
         """
         cond = self._cond()
         async with cond:
+            if ask is not None and ask in self._asks:
+                shard = self._asks[ask]
+                # a restarted driver learns the spec when its plan loop reaches the shard again
+                await cond.wait_for(lambda: shard in self._spec or self._owner.get(shard) != worker_id)
+                if self._owner.get(shard) == worker_id:
+                    return self._spec[shard]
             while True:
                 if worker_id in self._lost or worker_id in self._retired or self._finished():
                     return None
@@ -250,6 +328,9 @@ class ShardDriver:
                     spec = self._planned.popleft()
                     break
                 await cond.wait()
+            self._note(give=spec.shard, worker=worker_id, ask=ask)
+            if ask is not None:
+                self._asks[ask] = spec.shard
             self._owner[spec.shard] = worker_id
             self._spec[spec.shard] = spec
             self._by_worker.setdefault(worker_id, set()).add(spec.shard)
@@ -281,6 +362,7 @@ class ShardDriver:
                 counted = accepted()
                 if inspect.isawaitable(counted):
                     await counted
+            self._note(done=shard)
             del self._owner[shard]
             self._by_worker[worker_id].discard(shard)
             self._completed.add(shard)
@@ -312,6 +394,9 @@ class ShardDriver:
                     failure.message,
                 )
                 return False
+            self._note(
+                failed=failure.shard, worker=failure.worker, type=failure.error_type, message=failure.message
+            )
             del self._owner[failure.shard]
             self._by_worker[failure.worker].discard(failure.shard)
             self._failures.append(failure)
@@ -327,6 +412,7 @@ class ShardDriver:
         """
         cond = self._cond()
         async with cond:
+            self._note(retired=worker_id)
             self._retired.add(worker_id)
             cond.notify_all()
 
@@ -338,11 +424,14 @@ class ShardDriver:
         """
         cond = self._cond()
         async with cond:
+            self._note(lost=worker_id)
             self._lost.add(worker_id)
             held = sorted(self._by_worker.pop(worker_id, set()))
             for shard in reversed(held):
                 del self._owner[shard]
-                self._requeued.appendleft(self._spec[shard])
+                if shard in self._spec:
+                    self._requeued.appendleft(self._spec[shard])
+                # else: a restarted driver's plan loop has not reached it yet, and now queues it
             self._requeued_total += len(held)
             if held:
                 logger.warning("driver: worker %s lost; re-queued shards %s", worker_id, ", ".join(held))
@@ -373,6 +462,28 @@ class ShardDriver:
         async with cond:
             await cond.wait_for(self._finished)
         return await self.status()
+
+
+@dataclass(frozen=True)
+class ConfigPlanner:
+    """The run's planner as the driver actor gets it: :func:`plan_from_config` of these arguments."""
+
+    run: RunConfig
+    rows: Any = None
+    num_workers: int = 1
+    checked: CheckedInput | None = None
+
+    def __call__(self) -> Iterator[ShardSpec]:
+        return plan_from_config(self.run, self.rows, self.num_workers, self.checked)
+
+    def for_restart(self) -> ConfigPlanner:
+        """The planner of a restarted driver: the folder holds this call's plan, so it resumes it even when
+        the run was started with ``resume_from_cache=false`` (which refuses a folder that holds a run)."""
+        settings = self.run.settings
+        if settings.resume_from_cache is not False:
+            return self
+        run = replace(self.run, settings=settings.model_copy(update={"resume_from_cache": None}))
+        return ConfigPlanner(run, self.rows, self.num_workers, None)
 
 
 def plan_from_config(
@@ -415,12 +526,36 @@ class RunDriver(ShardDriver):
     Args:
         planner: As :class:`ShardDriver`.
         lookahead: As :class:`ShardDriver`.
-        coordinator: Handle of the run's :class:`~gym_ray.distributed.coordinator.RunCoordinator` actor.
+        coordinator: The name of the run's :class:`~gym_ray.distributed.coordinator.RunCoordinator` actor
+            (looked up on first use), or its handle. A restartable actor takes the name: Ray keeps a
+            handle passed to an actor's constructor in its object store, where a restart may not find it
+            (ray-project/ray#53727).
+        journal: This run call's driver journal (see :mod:`gym_ray.distributed.journal`); the actor is
+            created with ``max_restarts``, and a restarted process takes up the dead one's hand-outs from
+            it. ``None``: no journal (a restart would start over; used by tests).
     """
 
-    def __init__(self, planner: Planner, *, lookahead: int, coordinator: Any) -> None:
-        super().__init__(planner, lookahead=lookahead, on_planned=self._tell_planned)
-        self._coordinator = coordinator
+    def __init__(
+        self, planner: Planner, *, lookahead: int, coordinator: Any, journal: str | None = None
+    ) -> None:
+        if journal is not None and ControlJournal(journal).entries():
+            # A restart: the folder holds this call's plan already, whatever resume_from_cache said.
+            planner = getattr(planner, "for_restart", lambda: planner)()
+        super().__init__(
+            planner,
+            lookahead=lookahead,
+            on_planned=self._tell_planned,
+            journal=None if journal is None else ControlJournal(journal),
+        )
+        self._coordinator_ref = coordinator
+
+    @property
+    def _coordinator(self) -> Any:
+        if isinstance(self._coordinator_ref, str):
+            import ray
+
+            self._coordinator_ref = ray.get_actor(self._coordinator_ref)
+        return self._coordinator_ref
 
     async def _tell_planned(self, spec: ShardSpec | None) -> None:
         await self._coordinator.plan_progress.remote(spec)

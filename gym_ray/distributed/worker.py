@@ -226,6 +226,7 @@ class RolloutWorker:
         # What the shards that failed here wrote before they failed (never reported to the coordinator).
         self._stopped = OutcomeTally()
         self._health: ServerHealth | None = None
+        self._asks = 0
 
     def node_id(self) -> str:
         """The Ray node (hex id) this actor runs on."""
@@ -335,7 +336,12 @@ class RolloutWorker:
         )
 
     async def _next_spec(self) -> ShardSpec | None:
-        spec: ShardSpec | None = await self._driver.next_shard.remote(self._worker_id)
+        # Each request has its own name: if the driver's process dies before it answers, Ray sends the
+        # request again to the restarted driver, which answers a request it had answered with the same shard.
+        self._asks += 1
+        spec: ShardSpec | None = await self._driver.next_shard.remote(
+            self._worker_id, f"{self._worker_id}/{self._asks}"
+        )
         return spec
 
     async def _run_counted(

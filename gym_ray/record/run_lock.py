@@ -195,15 +195,17 @@ def _missing_folders(run_dir: Path) -> list[Path]:
 
 
 # Temp names gym_ray makes in a run folder: planning's staging folders, aggregation spools, merge folders,
-# atomic-write temp files and quarantine rewrites. Only dot-names: nothing a user would name a file.
-_LEFTOVER = re.compile(r"^\.(staging-|aggregate-|merge-)|^\..+\.(tmp|repair)-[0-9a-f]+$")
+# control journals, atomic-write temp files and quarantine rewrites. Only dot-names: nothing a user would
+# name a file.
+_LEFTOVER = re.compile(r"^\.(staging-|aggregate-|merge-|control$)|^\..+\.(tmp|repair)-[0-9a-f]+$")
 
 
 def sweep_leftovers(run_dir: str | os.PathLike[str]) -> list[str]:
     """Remove the temp folders and files a killed run left in ``run_dir``; return their names, sorted.
 
     Call it only while holding the folder's :class:`RunLock` (at the start of a run): the temp files of
-    a live run would be removed too. Removes ``.staging-*``, ``.aggregate-*``, ``.merge-*`` and the
+    a live run would be removed too. Removes ``.staging-*``, ``.aggregate-*``, ``.merge-*``, ``.control``
+    (the control actors' journals of a killed run call, :mod:`gym_ray.distributed.journal`) and the
     ``.<name>.tmp-<hex>`` / ``.<name>.repair-<hex>`` files of interrupted atomic writes; nothing else.
     """
     root = Path(run_dir)

@@ -115,8 +115,8 @@ async def test_temp_folders_of_killed_runs_are_swept_and_a_successful_run_leaves
         await acollect_local(dep.config, rows=_rows(30), output_dir=str(out), shard_size=10)
         assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".gym_ray_run.lock"]
         # what kills during planning, aggregation, merging and an atomic write leave behind
-        for folder in (".staging-0a1b2c3d", ".aggregate-k2j3h4", ".merge-x1y2z3"):
-            (out / folder).mkdir()
+        for folder in (".staging-0a1b2c3d", ".aggregate-k2j3h4", ".merge-x1y2z3", ".control/5e6f7a8b9c0d"):
+            (out / folder).mkdir(parents=True)
             (out / folder / "part.jsonl").write_bytes(b"x" * 1000)
         (out / ".rollouts-00000.progress.json.tmp-0a1b2c3d4e5f").write_bytes(b"{")
         (out / ".user-notes").write_text("mine")

@@ -390,6 +390,7 @@ def test_run_settings_defaults() -> None:
         "strict_json": True,
         "use_new_config": False,
         "control_actors_resource": None,
+        "control_actor_restarts": 3,
     }
 
 

@@ -21,6 +21,9 @@ Scenarios, three runs on one cluster (a cluster start costs seconds):
   recorded runs, nothing lost and nothing twice.
 - ``node_added``: 4 workers on the one worker node left; a one-CPU node joins mid-run: one worker finishes
   its shards and its replacement runs on the new node, nothing lost and nothing run twice.
+- ``control_restarted``: as ``control_placed`` (the control actors on a worker node), 300 ms per rollout;
+  the driver's process is killed once 40 rollouts are done, the coordinator's 40 rollouts after the driver
+  is back: Ray restarts each, and the run ends in the same call with nothing lost and nothing sent twice.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -76,6 +81,7 @@ async def _one_run(
     shard_size: int = 10,
     max_resident_tasks: int = 4,
     control_resource: str | None = None,
+    kill_control: bool = False,
 ) -> dict[str, Any]:
     """A 4-worker run of ``ROWS`` x ``REPEATS`` rollouts; removes ``lose_node`` after 60 finished rollouts,
     or adds a one-CPU node once the workers run (``add_node``)."""
@@ -121,6 +127,14 @@ async def _one_run(
     if lose_node is not None:
         await _until(lambda: _completed(servers) >= 60 or task.done(), "60 finished rollouts")
         cluster.remove_node(lose_node)
+    if kill_control:
+        report["restarted"] = {}
+        for name, handle in (("driver", actors.driver), ("coordinator", actors.coordinator)):
+            mark = _completed(servers) + 40
+            await _until(lambda m=mark: _completed(servers) >= m or task.done(), f"{mark} finished rollouts")
+            os.kill(await handle.pid.remote(), signal.SIGKILL)
+            # the call waits for the restarted process: its pid, and how far the run was when it answered
+            report["restarted"][name] = [await handle.pid.remote(), _completed(servers)]
     if add_node:
         await _until(lambda: _completed(servers) >= 1 or task.done(), "a first finished rollout")
         # Ray starts the raylet from the main thread only; this loop pauses meanwhile, the actors do not.
@@ -252,6 +266,13 @@ async def _scenarios(workdir: Path) -> dict[str, Any]:
         with start_in_thread(cfg) as slow:
             report["node_added"] = await _one_run(
                 cluster, slow, workdir / "node_added", add_node=True, shard_size=5, max_resident_tasks=1
+            )
+            report["control_restarted"] = await _one_run(
+                cluster,
+                slow,
+                workdir / "control_restarted",
+                control_resource=CONTROL_RESOURCE,
+                kill_control=True,
             )
     finally:
         ray.shutdown()

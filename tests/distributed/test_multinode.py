@@ -38,7 +38,7 @@ def report() -> dict[str, Any]:
         )
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    scenarios = ("spread", "control_placed", "node_loss", "host_node_loss", "node_added")
+    scenarios = ("spread", "control_placed", "node_loss", "host_node_loss", "node_added", "control_restarted")
     print("multi-node figures:", json.dumps({k: result[k] for k in scenarios}, indent=1))
     return result
 
@@ -118,3 +118,20 @@ def test_a_node_that_joins_mid_run_receives_a_moved_worker_and_shards(report: di
     assert (added["planned"], added["succeeded"], added["failed"]) == (PLANNED, PLANNED, 0)
     assert added["wasted_requests"] == 0  # a move finishes shards, it does not cut them: nothing runs twice
     assert added["ledger"] == NO_LEDGER_FAULTS
+
+
+def test_the_driver_and_the_coordinator_killed_mid_run_come_back_and_the_run_ends_in_the_same_call(
+    report: dict[str, Any],
+) -> None:
+    restarted = report["control_restarted"]
+    node_a, _ = report["nodes"]
+    assert restarted["driver_on"] == restarted["coordinator_on"] == node_a
+    driver_pid, coordinator_pid = restarted["pids"][:2]
+    # each control actor answered from a new process before the run ended (Ray restarted it)
+    assert restarted["restarted"]["driver"][0] != driver_pid
+    assert restarted["restarted"]["coordinator"][0] != coordinator_pid
+    assert restarted["restarted"]["coordinator"][1] < PLANNED  # killed mid-run, not after the end
+    assert (restarted["planned"], restarted["succeeded"], restarted["failed"]) == (PLANNED, PLANNED, 0)
+    assert restarted["lost_workers"] == []
+    assert restarted["wasted_requests"] == 0  # no /run sent twice
+    assert restarted["ledger"] == NO_LEDGER_FAULTS

@@ -215,12 +215,66 @@ def test_sigterm_stops_like_ctrl_c_exit_143_and_the_rerun_completes(
     assert (report.ok, report.planned, report.settled) == (True, 60, 60)
 
 
+def _actor_pids(proc: subprocess.Popen[str], actor: str) -> list[int]:
+    return [p.pid for p in _descendants(proc.pid) if f"ray::{actor}" in _cmdline(p)]
+
+
+def test_the_driver_then_the_coordinator_killed_mid_run_come_back_and_the_run_ends_in_the_same_call(
+    tmp_path: Path, slow_servers: ThreadedDeployment
+) -> None:
+    # Issue 33 item 3: Ray restarts each control actor, which takes up its journal; the workers' calls the
+    # dead process left unanswered are sent again. Nothing is lost and no /run is sent twice.
+    out = tmp_path / "out"
+    args = _slow_run_args(tmp_path, slow_servers, out)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gym_ray.cli", *args],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        done = 2
+        for actor in ("RunDriver", "RunCoordinator"):
+            _wait_for(lambda n=done: _successes(out) >= n, f"{done} recorded rollouts", proc)
+            (victim,) = _actor_pids(proc, actor)
+            psutil.Process(victim).kill()
+
+            def back(name: str = actor, dead: int = victim) -> bool:
+                return bool(_actor_pids(proc, name)) and dead not in _actor_pids(proc, name)
+
+            _wait_for(back, f"a new {actor} process", proc)  # Ray restarted it; the run goes on
+            done = _successes(out) + 4
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert (proc.returncode, stderr) == (0, ""), stderr
+    assert "60 succeeded, 0 failed, 0 pending of 60 planned rollouts" in stdout
+    requests = {}
+    for name, block in slow_servers.config.items():
+        if isinstance(block, dict) and "environment_servers" in block:
+            requests.update(slow_servers.stats(name).request_counts)
+    assert sorted(requests.values()) == [1] * 60  # every row's /run sent once, none twice
+    report = check_run(out, request_counts=requests)
+    assert (report.ok, report.planned, report.settled, report.duplicates, report.wasted_requests) == (
+        True,
+        60,
+        60,
+        0,
+        0,
+    )
+    assert not (out / ".control").exists()
+
+
 @pytest.mark.parametrize(("role", "actor"), [("driver", "RunDriver"), ("coordinator", "RunCoordinator")])
-def test_a_killed_control_actor_is_named_and_the_folder_stays_resumable(
+def test_a_killed_control_actor_with_no_restart_left_is_named_and_the_folder_stays_resumable(
     tmp_path: Path, slow_servers: ThreadedDeployment, role: str, actor: str
 ) -> None:
     out = tmp_path / "out"
-    args = _slow_run_args(tmp_path, slow_servers, out)
+    args = [*_slow_run_args(tmp_path, slow_servers, out), "+control_actor_restarts=0"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "gym_ray.cli", *args],
         cwd=tmp_path,
