@@ -15,6 +15,7 @@ SCENARIOS = (
     "memory",
     "latency",
     "merge",
+    "tail",
     "collect-memory",
     "plan-memory",
     "ray-vs-local",
@@ -42,12 +43,12 @@ def bench_args(parser: argparse.ArgumentParser) -> None:
         "-n",
         type=int,
         default=None,
-        help="rollouts (dispatch, record, tracing, latency: 20000; merge: 1000000)",
+        help="rollouts (dispatch, record, tracing, latency: 20000; merge, tail: 1000000)",
     )
     parser.add_argument(
         "--rows", type=int, default=20000, help="pipeline: generated input rows (default 20000)"
     )
-    parser.add_argument("--shards", type=int, default=64, help="merge: shard files merged")
+    parser.add_argument("--shards", type=int, default=64, help="merge, tail: shard files merged")
     parser.add_argument("--concurrency", type=int, default=256, help="requests in flight")
     parser.add_argument(
         "--sizes",
@@ -96,7 +97,7 @@ def bench_main(args: argparse.Namespace) -> int:
         result = run_chaos_bench(names, rows=2000 if args.n is None else args.n, outage_s=args.outage_s)
         print(json.dumps({**result, "machine": machine}, indent=2))
         return 0 if result["passed"] else 1
-    if args.n is None and args.scenario != "merge":
+    if args.n is None and args.scenario not in ("merge", "tail"):
         args.n = 20000
     if args.scenario == "dispatch":
         from gym_ray.bench.dispatch import run_dispatch_bench
@@ -132,6 +133,10 @@ def bench_main(args: argparse.Namespace) -> int:
         from gym_ray.bench.merge_bench import run_merge_bench
 
         result = run_merge_bench(args.n if args.n is not None else 1_000_000, args.shards)
+    elif args.scenario == "tail":
+        from gym_ray.bench.tail_bench import run_tail_bench
+
+        result = run_tail_bench(args.n if args.n is not None else 1_000_000, args.shards)
     elif args.scenario == "latency":
         from gym_ray.bench.latency import run_latency_bench
 

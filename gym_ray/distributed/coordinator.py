@@ -37,6 +37,7 @@ from gym_ray.record.atomic import atomic_write_bytes
 if TYPE_CHECKING:
     from gym_ray.config.run_config import RunConfig
     from gym_ray.dispatch.client import ServerClient
+    from gym_ray.finalize.aggregate_ahead import AggregationAhead
     from gym_ray.finalize.metrics_summary import WrittenSummary
     from gym_ray.run.collect import RunPlan, ShardSpec
     from gym_ray.run.result import RunResult, ShardReport
@@ -162,6 +163,8 @@ class RunCoordinator:
         self._ahead_task: asyncio.Task[None] | None = None
         self._ahead_stop = False
         self.reduced_ahead = 0
+        self.grouped_ahead = 0
+        self._aggregation_ahead: AggregationAhead | None = None
         self._journal: ControlJournal | None = None
         if journal is not None:
             self._take_up(ControlJournal(journal))
@@ -205,12 +208,20 @@ class RunCoordinator:
         self._ahead_wake.set()
 
     async def _reduce_ahead_loop(self) -> None:
+        from gym_ray.finalize import aggregate_ahead
         from gym_ray.finalize.merge_ahead import grow_prefix, reduce_ahead
+
+        if not self._settings.disable_aggregation:
+            # the prefix's rows grouped for /aggregate_metrics as it grows; the run's aggregate takes it over
+            self._aggregation_ahead = aggregate_ahead.AggregationAhead(self._run_dir, self._run.topology)
+            aggregate_ahead.register(self._run_dir, self._aggregation_ahead)
 
         def reduce_and_grow(shard: str, planned: tuple[str, ...]) -> bool:
             stored = reduce_ahead(self._run_dir, shard)
             if stored:
                 grow_prefix(self._run_dir, planned)
+                if self._aggregation_ahead is not None:
+                    self._aggregation_ahead.feed()
             return stored
 
         assert self._ahead_wake is not None
@@ -254,6 +265,11 @@ class RunCoordinator:
         from gym_ray.observe.tracing_gate import shutdown_tracing_if_used
 
         await self._stop_reducing_ahead()
+        if self._aggregation_ahead is not None:  # not taken by a finalize: its spools go
+            from gym_ray.finalize import aggregate_ahead
+
+            if aggregate_ahead.claim(self._run_dir) is not None:
+                self._aggregation_ahead.discard()
         await asyncio.to_thread(shutdown_tracing_if_used)
 
     def record_report(
@@ -380,7 +396,13 @@ class RunCoordinator:
         if wall_s is None:
             wall_s = self._clock() - self._started
         await self._stop_reducing_ahead()  # the merge must not race a reduction
-        logger.info("coordinator: %d shards were reduced ahead of the merge", self.reduced_ahead)
+        ahead = self._aggregation_ahead
+        self.grouped_ahead = 0 if ahead is None else ahead.rows_grouped
+        logger.info(
+            "coordinator: %d shards were reduced ahead of the merge, %d rows grouped ahead of the aggregate",
+            self.reduced_ahead,
+            self.grouped_ahead,
+        )
         async with factory(self._run) as client:
             result = await self._finalize_fn(
                 self._plan(),
@@ -444,6 +466,7 @@ class RunCoordinator:
             "wall_s": round(wall_s, 3),
             "rollouts_per_s": round((status.succeeded + status.failed) / wall_s, 3) if wall_s > 0 else 0.0,
             "shards_reduced_ahead_of_the_merge": self.reduced_ahead,
+            "rows_grouped_ahead_of_the_aggregate": self.grouped_ahead,
             "shard_timings": [
                 {
                     "shard": t.shard,

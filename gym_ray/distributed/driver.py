@@ -464,6 +464,13 @@ class ShardDriver:
         return await self.status()
 
 
+def _restarted_actor() -> bool:
+    """True in a Ray actor process that replaces a dead one (it may have died before journaling)."""
+    import ray
+
+    return ray.is_initialized() and bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
 @dataclass(frozen=True)
 class ConfigPlanner:
     """The run's planner as the driver actor gets it: :func:`plan_from_config` of these arguments."""
@@ -538,7 +545,7 @@ class RunDriver(ShardDriver):
     def __init__(
         self, planner: Planner, *, lookahead: int, coordinator: Any, journal: str | None = None
     ) -> None:
-        if journal is not None and ControlJournal(journal).entries():
+        if journal is not None and (ControlJournal(journal).entries() or _restarted_actor()):
             # A restart: the folder holds this call's plan already, whatever resume_from_cache said.
             planner = getattr(planner, "for_restart", lambda: planner)()
         super().__init__(

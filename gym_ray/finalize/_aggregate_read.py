@@ -40,23 +40,44 @@ from gym_ray.record.jsonl import line_batches, parse_record
 if TYPE_CHECKING:
     from gym_ray.config.topology import Topology
 
-__all__ = ["compact_plain", "group_merged", "iter_merged"]
+__all__ = ["ReadSoFar", "compact_plain", "group_merged", "group_more", "iter_merged"]
 
 # ServerClient.post_json's encoder: the text a body held before (ASCII, json's float forms).
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
-def iter_merged(path: str | os.PathLike[str]) -> Iterator[tuple[dict[str, Any], bool]]:
+class ReadSoFar:
+    """Where :func:`iter_merged` stopped: lines read, and whether the last one ended with its newline."""
+
+    __slots__ = ("ended", "lines")
+
+    def __init__(self, lines: int = 0) -> None:
+        self.lines = lines
+        self.ended = True
+
+
+def iter_merged(
+    path: str | os.PathLike[str],
+    *,
+    start: int = 0,
+    end: int | None = None,
+    read: ReadSoFar | None = None,
+) -> Iterator[tuple[dict[str, Any], bool]]:
     """Yield ``(record, plain)`` per record of the JSONL file ``path`` (see the module docstring).
+
+    ``start`` / ``end``: only the bytes from offset ``start`` (a line's start) to ``end``; ``read`` counts
+    the lines read (and numbers them on from its count: pass the lines before ``start``).
 
     Raises:
         InputError: a line is not a JSON object (names the file and line, as ``JsonlReader(strict=True)``).
         FileNotFoundError: ``path`` does not exist.
     """
-    line_no = 0
-    for lines, _ in line_batches(path, missing_ok=False):
+    read = read if read is not None else ReadSoFar()
+    for lines, ended in line_batches(path, missing_ok=False, start=start, end=end):
+        read.ended = ended
         for raw in lines:
-            line_no += 1
+            read.lines += 1
+            line_no = read.lines
             value = orjson_loads(raw)
             plain = value is not NOT_SURE
             if not plain:
@@ -100,8 +121,17 @@ def group_merged(
         Stopped: ``stop`` was set.
     """
     grouping = Grouping(topology, spools, stop)
-    for position, (result, plain) in enumerate(iter_merged(path)):
-        grouping.add(result, position, compact_plain if plain else None)
+    group_more(grouping, path, 0, None, ReadSoFar())
     spools.finish()
     grouping.raise_problems()
     return grouping
+
+
+def group_more(
+    grouping: Grouping, path: str | os.PathLike[str], start: int, end: int | None, read: ReadSoFar
+) -> None:
+    """Add the records of ``path`` between byte offsets ``start`` and ``end`` to ``grouping``, numbered on
+    from the records it holds (``read`` counts the lines)."""
+    for result, plain in iter_merged(path, start=start, end=end, read=read):
+        grouping.add(result, grouping.positions, compact_plain if plain else None)
+        grouping.positions += 1

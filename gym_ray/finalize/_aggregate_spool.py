@@ -176,6 +176,12 @@ class Grouping:
         self._unknown: dict[str, str] = {}  # unknown stamp -> first row that carries it
         self._unattributable: list[str] = []
         self._unattributable_count = 0
+        #: Records added through ``group_more`` so far (the position of the next one).
+        self.positions = 0
+
+    def watch(self, stop: threading.Event) -> None:
+        """Check ``stop`` from now on (a grouping carried on by another caller)."""
+        self._stop = stop
 
     def add(self, result: Mapping[str, Any], position: int, encode: _Encode | None = None) -> None:
         if position % STOP_CHECK_ROWS == 0 and self._stop.is_set():

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -105,6 +106,9 @@ AGGREGATE_ERRORS_FILE = "rollouts_aggregate_metrics.errors.json"
 _MERGED_FILE_NAME = "rollouts.jsonl"
 _AGGREGATE_PATH = "/aggregate_metrics"
 _STRICT = json.JSONEncoder(allow_nan=False)
+
+
+logger = logging.getLogger(__name__)
 
 
 class AggregateMetricsReply(pydantic.BaseModel):
@@ -339,9 +343,13 @@ async def aggregate_metrics(
 
 
 async def _aggregate(
-    fill: Callable[[ServerSpools, threading.Event], Grouping], client: ServerClient, path: Path, raise_: bool
+    fill: Callable[[ServerSpools, threading.Event], Grouping],
+    client: ServerClient,
+    path: Path,
+    raise_: bool,
+    spools: ServerSpools | None = None,
 ) -> Path | None:
-    spools = ServerSpools(path.parent)
+    spools = spools if spools is not None else ServerSpools(path.parent)
     try:
         # Reading (often a file) and writing run in worker threads so the event loop stays responsive.
         grouping = await run_joined(lambda stop: fill(spools, stop))
@@ -447,14 +455,31 @@ async def aggregate_run(
     Returns:
         The metrics file, or ``None`` when the run has no success.
     """
+    from gym_ray.finalize import aggregate_ahead
+
     folder = Path(run_dir)
-    merged = await asyncio.to_thread(_merged_file, folder)
+    ahead = aggregate_ahead.claim(folder)  # the coordinator's grouping of the prefix, if any
+    try:
+        merged = await asyncio.to_thread(_merged_file, folder)
+    except BaseException:
+        if ahead is not None:
+            ahead.discard()
+        raise
+    target = Path(output_path) if output_path is not None else folder / AGGREGATE_FILE_NAME
+    if ahead is not None and merged is not None and ahead.covers(merged) and ahead.spools is not None:
+        logger.info("aggregate: %d rows of %s were grouped while the run went on", ahead.rows_grouped, merged)
+        carried = ahead
+        return await _aggregate(
+            lambda spools, stop: carried.finish(merged, spools, stop), client, target, raise_on_error,
+            spools=ahead.spools,
+        )  # fmt: skip
+    if ahead is not None:
+        ahead.discard()
     if merged is None:
         return None
     # Strict: a corrupt line in the merged file is an error naming file and line, not a silent gap.
     return await _aggregate(
-        lambda spools, stop: group_merged(merged, topology, spools, stop), client,
-        Path(output_path) if output_path is not None else folder / AGGREGATE_FILE_NAME, raise_on_error,
+        lambda spools, stop: group_merged(merged, topology, spools, stop), client, target, raise_on_error,
     )  # fmt: skip
 
 

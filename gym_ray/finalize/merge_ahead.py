@@ -57,6 +57,7 @@ __all__ = [
     "discard_reductions",
     "finish_prefix",
     "grow_prefix",
+    "prefix_output",
     "reduce_ahead",
     "shards_to_reduce",
 ]
@@ -257,6 +258,16 @@ def grow_prefix(run_dir: str | os.PathLike[str], planned: Sequence[str]) -> int:
     for shard in grown:
         shutil.rmtree(ahead / shard, ignore_errors=True)
     return len(shards)
+
+
+def prefix_output(run_dir: str | os.PathLike[str]) -> tuple[Path, int] | None:
+    """The prefix output's success file and the size its record vouches for (bytes past it may be a crash's
+    and are cut before the prefix grows), or None when there is no prefix or it stopped growing."""
+    ahead = Path(run_dir) / AHEAD_DIR
+    record = _read_json(ahead / _PREFIX)
+    if not record or record["stopped"] or not record["shards"]:
+        return None
+    return ahead / _PREFIX_OK, int(record["sizes"][0])
 
 
 def finish_prefix(

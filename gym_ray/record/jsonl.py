@@ -130,13 +130,16 @@ class JsonlReader:
                 yield line_no, part, terminated
 
 
-def line_batches(path: str | os.PathLike[str], *, missing_ok: bool) -> Iterator[tuple[list[bytes], bool]]:
+def line_batches(
+    path: str | os.PathLike[str], *, missing_ok: bool, start: int = 0, end: int | None = None
+) -> Iterator[tuple[list[bytes], bool]]:
     """The lines (without their newline) of the bytes ``path`` has now, in batches, with whether they ended.
 
     Yields ``(lines, True)`` per chunk read, then ``([last], False)`` for a last line without ``\\n``. Only
     the bytes that exist when reading starts are read (a concurrent append is not half-read); a device
     (tests use /dev/full) reads as its reported size, 0. Empty lines are kept, so counting the lines gives
-    their line numbers.
+    their line numbers. ``start`` / ``end``: read only the bytes from offset ``start`` (a line's start) up
+    to ``end`` (default: the size now).
 
     Raises:
         FileNotFoundError: ``path`` does not exist and ``missing_ok`` is false (else it has no lines).
@@ -149,7 +152,10 @@ def line_batches(path: str | os.PathLike[str], *, missing_ok: bool) -> Iterator[
         raise
     try:
         st = os.fstat(fd)
-        remaining = st.st_size if stat.S_ISREG(st.st_mode) else 0
+        size = st.st_size if stat.S_ISREG(st.st_mode) else 0
+        remaining = max(0, (size if end is None else min(end, size)) - start)
+        if start:
+            os.lseek(fd, start, os.SEEK_SET)
         pending = b""
         while remaining > 0:
             chunk = os.read(fd, min(_CHUNK, remaining))

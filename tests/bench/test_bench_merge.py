@@ -36,3 +36,18 @@ def test_bench_reports_the_merging_and_the_sorting_processes_cpu() -> None:
     assert result["sorting_processes_cpu_s"] == 0
     assert result["merge_cpu_us_per_line"] == result["merge_cpu_s"] / 2000 * 1e6
     assert 0 < result["baseline_rss_mb"] <= result["peak_rss_mb"]
+
+
+def test_the_tail_bench_ends_both_ways_with_the_same_metrics_and_groups_all_but_the_last_shard() -> (
+    None
+):
+    from gym_ray.bench.tail_bench import run_tail_bench
+
+    result = run_tail_bench(2000, 4)
+    cold, ahead = result["cold"], result["ahead"]
+    assert (cold["successes"], ahead["successes"]) == (2000, 2000)
+    assert cold["metrics_sha256"] == ahead["metrics_sha256"]  # checked by the bench too
+    assert ahead["grouped_ahead"] == 1500  # shards of 500 rows: every one but the last
+    assert "grouped_ahead" not in cold
+    assert result["cold_tail_s"] == cold["merge_s"] + cold["aggregate_s"]
+    assert result["ahead_tail_s"] == ahead["merge_s"] + ahead["aggregate_s"]

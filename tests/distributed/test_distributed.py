@@ -117,6 +117,9 @@ async def test_four_workers_give_the_same_rollouts_as_one_process(
     assert summary["distributed"]["shards_reported"] == 15
     # the coordinator reduced finished shards while the run went on; the merge took them and removed them
     assert 1 <= summary["distributed"]["shards_reduced_ahead_of_the_merge"] <= 15
+    # and grouped the merged prefix's rows for /aggregate_metrics, which the aggregate took over (the
+    # metrics are the single process's, above)
+    assert 1 <= summary["distributed"]["rows_grouped_ahead_of_the_aggregate"] <= dist.succeeded
     assert not (tmp_path / "dist" / ".merge-ahead").exists()
     # The caller holds the host's summary of the metrics file, so printing the headline reads no file.
     written = written_summary()
