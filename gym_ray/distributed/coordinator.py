@@ -430,7 +430,7 @@ class RunCoordinator:
     def _plan(self) -> RunPlan:
         """The run's plan as the driver announced it (run id from the specs, else the run manifest)."""
         from gym_ray.plan.run_manifest import RUN_MANIFEST
-        from gym_ray.run.collect import RunPlan
+        from gym_ray.plan.shards import RunPlan
 
         if self._specs:
             run_id, identity = self._specs[0].run_id, self._specs[0].config_identity
@@ -493,6 +493,6 @@ def _report_of(fields: dict[str, Any]) -> ShardReport:
 
 
 def _default_client(run: RunConfig) -> ServerClient:
-    from gym_ray.run.collect import client_for
+    from gym_ray.dispatch.pool import client_for  # not run.collect: no dispatch engine in this process
 
     return client_for(run)

@@ -172,7 +172,7 @@ def _default_shard_fn() -> ShardFn:
 
 
 def _default_client(run: RunConfig) -> ServerClient:
-    from gym_ray.run.collect import client_for
+    from gym_ray.dispatch.pool import client_for
 
     return client_for(run)
 

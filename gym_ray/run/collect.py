@@ -33,6 +33,7 @@ from gym_ray.dispatch.client import ServerClient
 from gym_ray.dispatch.engine import dispatch
 from gym_ray.dispatch.health import ServerHealth, current_health, health_scope
 from gym_ray.dispatch.outcomes import CompletedRollout, record_of
+from gym_ray.dispatch.pool import client_for
 from gym_ray.errors import NoProgressError
 from gym_ray.observe.health_metrics import health_metrics
 from gym_ray.observe.progress import ProgressCounter, ProgressDisplay
@@ -328,22 +329,6 @@ async def run_shards(
     except BaseExceptionGroup as group_error:
         raise first_error(group_error) from None
     return reports
-
-
-# --------------------------------------------------------------------------------------------------
-# the HTTP client
-
-
-def client_for(run: RunConfig) -> ServerClient:
-    """The HTTP client pool of one process, sized from the run's settings."""
-    settings = run.settings
-    return ServerClient(
-        run.topology,
-        max_connections=settings.max_connections,
-        connect_timeout_s=settings.connect_timeout_s,
-        request_timeout_s=settings.request_timeout_s,
-        retry_requests=settings.retry_requests,
-    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -38,9 +38,7 @@ def test_bench_reports_the_merging_and_the_sorting_processes_cpu() -> None:
     assert 0 < result["baseline_rss_mb"] <= result["peak_rss_mb"]
 
 
-def test_the_tail_bench_ends_both_ways_with_the_same_metrics_and_groups_all_but_the_last_shard() -> (
-    None
-):
+def test_the_tail_bench_ends_both_ways_with_the_same_metrics_and_groups_all_but_the_last_shard() -> None:
     from gym_ray.bench.tail_bench import run_tail_bench
 
     result = run_tail_bench(2000, 4)

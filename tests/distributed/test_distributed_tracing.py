@@ -149,6 +149,10 @@ async def test_each_actor_process_loads_only_its_roles_modules_and_no_openteleme
     dispatching = {"gym_ray.dispatch.engine", "gym_ray.record.writer", "gym_ray.distributed.worker"}
     assert loaded["driver"] & (finishing | dispatching) == set()  # plans and hands out, nothing more
     assert loaded["worker"] & finishing == set()  # (it loads driver.py: Ray's handle of the driver does)
-    assert loaded["coordinator"] & {"gym_ray.distributed.worker", "gym_ray.distributed.driver"} == set()
+    # merges and aggregates (with its own client pool), never dispatches rollouts
+    assert (
+        loaded["coordinator"] & {"gym_ray.distributed.worker", "gym_ray.distributed.driver", *dispatching}
+        == set()
+    )
     assert finishing <= loaded["coordinator"]  # the notes are real
     assert dispatching <= loaded["worker"]
