@@ -13,6 +13,7 @@ dotted key, with the bad value and what is allowed. Nothing here does I/O other 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -328,6 +329,12 @@ def _describe_allowed(name: str, info: Any) -> str:
     return text
 
 
+#: ``scheme://`` at the start of a path setting: a URL, not a path (``s3://``, ``gs://``, ``file://``, ...).
+_URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+#: The settings that name a file or folder of this machine's (or the cluster's shared) file system.
+_PATH_SETTINGS = ("output_dir", "output_jsonl_fpath", "input_jsonl_fpath")
+
+
 class RunSettings(BaseModel):
     """The run-level knobs of a config (top-level keys that are not server instances).
 
@@ -503,6 +510,18 @@ class RunSettings(BaseModel):
         ``max_resident_rollout_tasks``, the smaller), or None when neither is set."""
         return run_concurrency_cap(self.model_dump())
 
+    @field_validator(*_PATH_SETTINGS)
+    @classmethod
+    def _check_local_path(cls, value: str | None) -> str | None:
+        match = None if value is None else _URL_SCHEME.match(value)
+        if match is not None:
+            scheme = match.group(1)
+            raise ValueError(
+                f"a {scheme}:// URL, and URLs (object storage included) are not supported yet: give a path "
+                "on a file system (on a cluster, one every node mounts; see cluster/README.md)"
+            )
+        return value
+
     @field_validator("num_repeats", mode="before")
     @classmethod
     def _check_num_repeats(cls, value: Any) -> Any:
@@ -585,7 +604,10 @@ class RunSettings(BaseModel):
                     lines.extend(messages)
                     continue
                 info = cls.model_fields.get(top)
-                allowed = f"; allowed: {_describe_allowed(top, info)}" if info is not None else ""
+                path_only = top in _PATH_SETTINGS  # its check says what to give
+                allowed = (
+                    f"; allowed: {_describe_allowed(top, info)}" if info is not None and not path_only else ""
+                )
                 value = cfg.get(top, "<unset>")
                 lines.append(f"config key '{top}' is {value!r}: {' / '.join(messages)}{allowed}")
             raise ConfigError("; ".join(lines), key=next(iter(problems)) or None) from exc

@@ -71,3 +71,37 @@ def test_a_bad_line_is_one_line_numbered_as_the_file_and_leaves_no_folder(
     assert done.stderr == f"gym-ray run: error: {rows}, {expected}\n"
     assert not (tmp_path / "runs").exists()  # neither the folder nor the parents the run had made
     assert servers.stats("calc_env").requests == 0
+
+
+@pytest.mark.parametrize(
+    ("key", "url"),
+    [
+        pytest.param("output_dir", "s3://runs/r1", id="s3-output"),
+        pytest.param("output_dir", "gs://bucket/prefix/r1", id="gs-output"),
+        pytest.param("input_jsonl_fpath", "s3://bucket/rows.jsonl", id="s3-input"),
+        pytest.param("output_jsonl_fpath", "file:///tmp/out.jsonl", id="file-url-output"),
+    ],
+)
+def test_a_url_in_a_path_setting_is_refused_before_anything_and_no_local_folder_is_made(
+    tmp_path: Path, servers: ThreadedDeployment, key: str, url: str
+) -> None:
+    # Issue 34: `+output_dir=s3://runs/r1` ran to exit 0 writing a local folder named "s3:". Until object
+    # storage is supported, a URL is refused with what to give instead.
+    config = write_yaml(tmp_path / "run.yaml", servers.config)
+    settings = {"input_jsonl_fpath": str(_rows_with(tmp_path / "rows.jsonl", json.dumps(calc_rows(8)[7])))}
+    settings["output_dir"] = str(tmp_path / "out")
+    settings[key] = url
+    done = gym_ray(
+        ["run", str(config), *(f"+{k}={v}" for k, v in settings.items()), "--progress", "off"],
+        cwd=tmp_path,
+        timeout_s=90,
+    )
+    scheme = url.split("://")[0]
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"gym-ray run: error: config key '{key}' is {url!r}: a {scheme}:// URL, and URLs (object storage "
+        "included) are not supported yet: give a path on a file system (on a cluster, one every node "
+        "mounts; see cluster/README.md)\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl", "run.yaml"]
+    assert servers.stats("calc_env").requests == 0
