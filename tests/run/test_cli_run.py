@@ -269,12 +269,15 @@ def test_the_driver_then_the_coordinator_killed_mid_run_come_back_and_the_run_en
     assert not (out / ".control").exists()
 
 
-@pytest.mark.parametrize(("role", "actor"), [("driver", "RunDriver"), ("coordinator", "RunCoordinator")])
+@pytest.mark.parametrize(
+    ("role", "actor", "restarts"),
+    [("driver", "RunDriver", 0), ("coordinator", "RunCoordinator", 0), ("driver", "RunDriver", 1)],
+)
 def test_a_killed_control_actor_with_no_restart_left_is_named_and_the_folder_stays_resumable(
-    tmp_path: Path, slow_servers: ThreadedDeployment, role: str, actor: str
+    tmp_path: Path, slow_servers: ThreadedDeployment, role: str, actor: str, restarts: int
 ) -> None:
     out = tmp_path / "out"
-    args = [*_slow_run_args(tmp_path, slow_servers, out), "+control_actor_restarts=0"]
+    args = [*_slow_run_args(tmp_path, slow_servers, out), f"+control_actor_restarts={restarts}"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "gym_ray.cli", *args],
         cwd=tmp_path,
@@ -289,9 +292,15 @@ def test_a_killed_control_actor_with_no_restart_left_is_named_and_the_folder_sta
         # A driver, a coordinator and one worker: the run's actor processes, by class (Ray's own aside).
         classes = Counter(c.split()[0].split(".")[0] for c in tree if c.startswith(_RUN_ACTORS))
         assert classes == {"ray::RunDriver": 1, "ray::RunCoordinator": 1, "ray::RolloutWorker": 1}, tree
-        victims = [p for p in _descendants(proc.pid) if f"ray::{actor}" in _cmdline(p)]
-        assert len(victims) == 1, tree
-        victims[0].kill()
+        for kill in range(restarts + 1):  # each restart's process killed in turn
+            (victim,) = _actor_pids(proc, actor)
+            psutil.Process(victim).kill()
+            if kill < restarts:
+
+                def back(dead: int = victim) -> bool:
+                    return bool(_actor_pids(proc, actor)) and dead not in _actor_pids(proc, actor)
+
+                _wait_for(back, f"a new {actor} process", proc)
         _, stderr = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -299,8 +308,9 @@ def test_a_killed_control_actor_with_no_restart_left_is_named_and_the_folder_sta
             proc.communicate()
     assert proc.returncode == 1, stderr
     assert len(stderr.splitlines()) == 1, stderr
+    spent = f" and its {restarts} restart\\(s\\) are spent" if restarts else ""
     pattern = (
-        rf"gym-ray run: ActorLostError: the run's {role} actor \({actor}\) died \(.+\); "
+        rf"gym-ray run: ActorLostError: the run's {role} actor \({actor}\) died \(.+\){spent}; "
         rf"the run cannot go on without it; the run folder {re.escape(str(out))} is resumable: rerun the "
         "same command to run only what is missing"
     )
