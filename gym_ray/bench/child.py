@@ -8,8 +8,11 @@ is raised here as a RuntimeError.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 #: Upper bound on one child's run (1M rows at ~1000 rollouts/s is ~17 min).
@@ -82,3 +85,25 @@ def peak_summary(label: str, runs: list[dict[str, Any]], **fields: Any) -> dict[
 
 
 __all__ = ["CHILD_TIMEOUT_S", "peak_summary", "run_in_child"]
+
+
+def run_module_child(
+    module: str, args: Sequence[str], *, what: str, timeout_s: float = CHILD_TIMEOUT_S
+) -> dict[str, Any]:
+    """Run ``python -m module *args`` (a fresh interpreter: its figures start from an empty process) and
+    return the JSON object it prints on its last line of stdout.
+
+    Raises:
+        RuntimeError: The child exited with a failure (its stderr's end is in the message).
+    """
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import random
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -153,17 +152,14 @@ def _child_ahead(run_dir: str) -> None:
 
 
 def _run_child(mode: str, run_dir: Path) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "gym_ray.bench.merge_bench", mode, str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=_CHILD_TIMEOUT_S,
-        check=False,
+    from gym_ray.bench.child import run_module_child
+
+    return run_module_child(
+        "gym_ray.bench.merge_bench",
+        [mode, str(run_dir)],
+        what="merge bench child",
+        timeout_s=_CHILD_TIMEOUT_S,
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"merge bench child exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out
 
 
 def run_merge_bench(rows: int = 1_000_000, shards: int = 64) -> dict[str, Any]:

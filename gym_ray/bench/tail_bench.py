@@ -25,14 +25,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-_CHILD_TIMEOUT_S = 3600.0
 
 
 async def _aggregate(run_dir: Path, config: dict[str, Any]) -> tuple[float, float, str]:
@@ -87,17 +84,13 @@ def _child(mode: str, run_dir: str, config_path: str) -> None:
 
 
 def _run_child(mode: str, run_dir: Path, config_path: Path) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "gym_ray.bench.tail_bench", f"--{mode}", str(run_dir), str(config_path)],
-        capture_output=True,
-        text=True,
-        timeout=_CHILD_TIMEOUT_S,
-        check=False,
+    from gym_ray.bench.child import run_module_child
+
+    return run_module_child(
+        "gym_ray.bench.tail_bench",
+        [f"--{mode}", str(run_dir), str(config_path)],
+        what=f"tail bench child ({mode})",
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"tail bench child ({mode}) exited with {proc.returncode}:\n{proc.stderr[-4000:]}")
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out
 
 
 def run_tail_bench(rows: int = 1_000_000, shards: int = 64) -> dict[str, Any]:

@@ -4,33 +4,20 @@ one a cold aggregate writes. A real reference server on 127.0.0.1, real shard fi
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gym_ray.bench.dispatch import bench_config
-from gym_ray.bench.merge_bench import write_shards
 from gym_ray.finalize import aggregate as aggregate_module
 from gym_ray.finalize.aggregate import aggregate_run
 from gym_ray.finalize.aggregate_ahead import AggregationAhead, claim, register
 from gym_ray.finalize.merge import merge_shards
 from gym_ray.finalize.merge_ahead import grow_prefix, reduce_ahead
 from gym_ray.record.shard_files import list_shards, shard_paths
+from tests.finalize.conftest import ROWS, SHARDS
 from tests.finalize.test_aggregate import _deployment
-
-ROWS, SHARDS = 400, 4
-
-
-@pytest.fixture
-def two_copies(tmp_path: Path) -> tuple[Path, Path]:
-    cold = tmp_path / "cold"
-    cold.mkdir()
-    write_shards(cold, ROWS, SHARDS)
-    ahead = tmp_path / "ahead"
-    shutil.copytree(cold, ahead)
-    return cold, ahead
 
 
 def _refuse_grouping(*args: Any) -> Any:

@@ -5,35 +5,22 @@ whose files changed after its reduction."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gym_ray.bench.merge_bench import write_shards
 from gym_ray.finalize import merge as merge_module
 from gym_ray.finalize.merge import merge_shards
 from gym_ray.finalize.merge_ahead import AHEAD_DIR, grow_prefix, reduce_ahead
 from gym_ray.record.shard_files import list_shards, shard_paths
-
-ROWS, SHARDS = 400, 4
+from tests.finalize.conftest import ROWS, SHARDS
 
 
 def _merged(run_dir: Path) -> tuple[bytes, bytes, dict[str, Any]]:
     result = merge_shards(run_dir, workers=1)
     counts = result.model_dump(exclude={"successes_path", "failures_path"})
     return result.successes_path.read_bytes(), result.failures_path.read_bytes(), counts
-
-
-@pytest.fixture
-def two_copies(tmp_path: Path) -> tuple[Path, Path]:
-    cold = tmp_path / "cold"
-    cold.mkdir()
-    write_shards(cold, ROWS, SHARDS)
-    ahead = tmp_path / "ahead"
-    shutil.copytree(cold, ahead)  # the copy's files are other files: reductions are made on each
-    return cold, ahead
 
 
 def _refuse_reducing(*args: Any) -> Any:

@@ -180,14 +180,7 @@ def test_sigterm_stops_like_ctrl_c_exit_143_and_the_rerun_completes(
 ) -> None:
     out = tmp_path / "out"
     args = _slow_run_args(tmp_path, slow_servers, out)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gym_ray.cli", *args],
-        cwd=tmp_path,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start(args, tmp_path)
     try:
         _wait_for(lambda: _successes(out) >= 2, "the first recorded rollouts", proc)
         proc.send_signal(signal.SIGTERM)
@@ -215,6 +208,18 @@ def test_sigterm_stops_like_ctrl_c_exit_143_and_the_rerun_completes(
     assert (report.ok, report.planned, report.settled) == (True, 60, 60)
 
 
+def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    """A ``gym-ray`` process with ``args``, its output piped (the test kills parts of it and waits)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "gym_ray.cli", *args],
+        cwd=cwd,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def _actor_pids(proc: subprocess.Popen[str], actor: str) -> list[int]:
     return [p.pid for p in _descendants(proc.pid) if f"ray::{actor}" in _cmdline(p)]
 
@@ -226,14 +231,7 @@ def test_the_driver_then_the_coordinator_killed_mid_run_come_back_and_the_run_en
     # dead process left unanswered are sent again. Nothing is lost and no /run is sent twice.
     out = tmp_path / "out"
     args = _slow_run_args(tmp_path, slow_servers, out)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gym_ray.cli", *args],
-        cwd=tmp_path,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start(args, tmp_path)
     try:
         done = 2
         for actor in ("RunDriver", "RunCoordinator"):
@@ -278,14 +276,7 @@ def test_a_killed_control_actor_with_no_restart_left_is_named_and_the_folder_sta
 ) -> None:
     out = tmp_path / "out"
     args = [*_slow_run_args(tmp_path, slow_servers, out), f"+control_actor_restarts={restarts}"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gym_ray.cli", *args],
-        cwd=tmp_path,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start(args, tmp_path)
     try:
         _wait_for(lambda: _successes(out) >= 2, "the first recorded rollouts", proc)
         tree = [_cmdline(p) for p in _descendants(proc.pid)]
