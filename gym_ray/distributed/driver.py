@@ -179,8 +179,10 @@ class ShardDriver:
                 )
             elif "lost" in entry:
                 self._lost.add(entry["lost"])
-                self._requeued_total += len(self._by_worker.pop(entry["lost"], set()))
-                self._owner = {s: w for s, w in self._owner.items() if w != entry["lost"]}
+                held = self._by_worker.pop(entry["lost"], set())
+                self._requeued_total += len(held)
+                for shard in held:
+                    del self._owner[shard]
             elif "retired" in entry:
                 self._retired.add(entry["retired"])
         if entries:
@@ -286,12 +288,9 @@ class ShardDriver:
     # -- hand-out --------------------------------------------------------------------------------
 
     def _decided(self, shard: str) -> bool:
-        """True when a restarted driver's journal says ``shard`` is held, complete or failed."""
-        return (
-            shard in self._owner
-            or shard in self._completed
-            or any(failure.shard == shard for failure in self._failures)
-        )
+        """True when a restarted driver's journal says ``shard`` is held or complete (after a failure
+        nothing is handed out at all)."""
+        return shard in self._owner or shard in self._completed
 
     def _finished(self) -> bool:
         """True when no more shards will be handed out."""
@@ -545,15 +544,11 @@ class RunDriver(ShardDriver):
     def __init__(
         self, planner: Planner, *, lookahead: int, coordinator: Any, journal: str | None = None
     ) -> None:
-        if journal is not None and (ControlJournal(journal).entries() or _restarted_actor()):
+        kept = None if journal is None else ControlJournal(journal)
+        if kept is not None and (kept.path.exists() or _restarted_actor()):
             # A restart: the folder holds this call's plan already, whatever resume_from_cache said.
             planner = getattr(planner, "for_restart", lambda: planner)()
-        super().__init__(
-            planner,
-            lookahead=lookahead,
-            on_planned=self._tell_planned,
-            journal=None if journal is None else ControlJournal(journal),
-        )
+        super().__init__(planner, lookahead=lookahead, on_planned=self._tell_planned, journal=kept)
         self._coordinator_ref = coordinator
 
     @property

@@ -470,7 +470,7 @@ async def aggregate_run(
         logger.info("aggregate: %d rows of %s were grouped while the run went on", ahead.rows_grouped, merged)
         carried = ahead
         return await _aggregate(
-            lambda spools, stop: carried.finish(merged, spools, stop), client, target, raise_on_error,
+            lambda _spools, stop: carried.finish(merged, stop), client, target, raise_on_error,
             spools=ahead.spools,
         )  # fmt: skip
     if ahead is not None:

@@ -121,17 +121,17 @@ class AggregationAhead:
             return False
         return (st.st_dev, st.st_ino) == self._file and st.st_size >= self._consumed
 
-    def finish(self, merged: Path, spools: ServerSpools, stop: threading.Event) -> Grouping:
+    def finish(self, merged: Path, stop: threading.Event) -> Grouping:
         """Group the rest of ``merged`` (after what :meth:`feed` read) and finish the spools; only after
-        :meth:`covers` said yes, with ``spools`` = :attr:`spools`.
+        :meth:`covers` said yes.
 
         Raises:
             As :func:`~gym_ray.finalize._aggregate_read.group_merged`.
         """
-        if self._grouping is None or spools is not self._spools:
+        if self._grouping is None or self._spools is None:
             raise InternalError("AggregationAhead.finish() without the grouping covers() vouched for")
         self._group(merged, None, stop)
-        spools.finish()
+        self._spools.finish()
         self._grouping.raise_problems()
         return self._grouping
 
