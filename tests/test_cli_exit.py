@@ -80,6 +80,11 @@ def test_the_error_line_is_the_remote_cause_without_colour_codes() -> None:
             id="option",
         ),
         pytest.param(
+            ["bench", "tail", "-n", "0"],
+            "gym-ray bench: error: argument -n: '0': give an integer >= 1",
+            id="bench-count",
+        ),
+        pytest.param(
             ["status", "runs/r1", "--zzz", "--yyy"],
             "gym-ray status: error: unrecognized argument '--zzz' (and 1 more after it) (options: --help, "
             "--json, -h)",
@@ -121,4 +126,13 @@ def test_an_error_that_leaves_a_resumable_folder_says_so_on_its_line() -> None:
     assert cli.error_line("run", exc) == (
         "gym-ray run: ShardIOError: shard '00000': appending to runs/r1/rollouts-00000.jsonl failed: ENOSPC; "
         "the run folder runs/r1 is resumable: rerun the same command"
+    )
+
+
+def test_the_tail_bench_refuses_one_shard_in_one_line_before_measuring(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["bench", "tail", "--shards", "1", "-n", "100"]) == 2
+    assert capsys.readouterr().err == (
+        "gym-ray bench: error: --shards 1: the tail bench needs 2 or more (all but the last go ahead)\n"
     )

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from gym_ray.errors import UsageError
+
 SCENARIOS = (
     "dispatch",
     "record",
@@ -36,20 +38,31 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _count(text: str) -> int:
+    """An argument that counts something: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 1")
+    return value
+
+
 def bench_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``gym-ray bench``."""
     parser.add_argument("scenario", choices=SCENARIOS, help="which benchmark to run")
     parser.add_argument(
         "-n",
-        type=int,
+        type=_count,
         default=None,
         help="rollouts (dispatch, record, tracing, latency: 20000; merge, tail: 1000000)",
     )
     parser.add_argument(
-        "--rows", type=int, default=20000, help="pipeline: generated input rows (default 20000)"
+        "--rows", type=_count, default=20000, help="pipeline: generated input rows (default 20000)"
     )
-    parser.add_argument("--shards", type=int, default=64, help="merge, tail: shard files merged")
-    parser.add_argument("--concurrency", type=int, default=256, help="requests in flight")
+    parser.add_argument("--shards", type=_count, default=64, help="merge, tail (>= 2): shard files merged")
+    parser.add_argument("--concurrency", type=_count, default=256, help="requests in flight")
     parser.add_argument(
         "--sizes",
         type=_sizes,
@@ -60,7 +73,7 @@ def bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--latency-ms", type=float, default=500.0, help="latency: the server's delay per /run"
     )
-    parser.add_argument("--workers", type=int, default=2, help="ray-vs-local: worker actors (default 2)")
+    parser.add_argument("--workers", type=_count, default=2, help="ray-vs-local: worker actors (default 2)")
     parser.add_argument(
         "--scenarios",
         default=None,
@@ -84,6 +97,10 @@ def bench_main(args: argparse.Namespace) -> int:
     """
     from gym_ray.bench.machine import fresh_memory_note, machine_figures
 
+    if args.scenario == "tail" and args.shards < 2:
+        raise UsageError(
+            f"--shards {args.shards}: the tail bench needs 2 or more (all but the last go ahead)"
+        )
     machine = machine_figures()
     cost = machine["fresh_memory_us_per_page"]
     note = None if cost is None else fresh_memory_note(cost)
