@@ -4,6 +4,7 @@ stopped (SIGTERM) at the end (issue 30)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,12 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("pandas")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+#: libzmq's assertion when the kernel's zmq context ends as a socket hangs up (zeromq/libzmq#1307): seen once
+#: in about ten runs of one notebook, after every cell ran; it is the kernel's own shutdown, not gym_ray's or
+#: Ray's output, which this test keeps at nothing.
+_ZMQ_SHUTDOWN_ASSERT = re.compile(r"^Assertion failed: pfd\.revents & POLLIN \(src/signaler\.cpp:\d+\)$")
 
 
 @pytest.mark.ray
@@ -56,7 +63,9 @@ def test_notebook_runs_and_writes_its_plots(
     assert cell_err == []
     # What the kernel printed after the notebook ran, apart from jupyter's own warning about plain TCP.
     kernel_lines = [
-        line for line in kernel_err.read_text().splitlines() if not line.startswith("[IPKernelApp] WARNING")
+        line
+        for line in kernel_err.read_text().splitlines()
+        if not line.startswith("[IPKernelApp] WARNING") and not _ZMQ_SHUTDOWN_ASSERT.match(line)
     ]
     assert kernel_lines == []
     for plot in plots:
