@@ -23,6 +23,7 @@ SCENARIOS = (
     "ray-vs-local",
     "chaos",
     "pipeline",
+    "store",
 )
 
 
@@ -56,7 +57,7 @@ def bench_args(parser: argparse.ArgumentParser) -> None:
         "-n",
         type=_count,
         default=None,
-        help="rollouts (dispatch, record, tracing, latency: 20000; merge, tail: 1000000)",
+        help="rollouts (dispatch, record, tracing, latency, store: 20000; merge, tail: 1000000)",
     )
     parser.add_argument(
         "--rows", type=_count, default=20000, help="pipeline: generated input rows (default 20000)"
@@ -73,7 +74,9 @@ def bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--latency-ms", type=float, default=500.0, help="latency: the server's delay per /run"
     )
-    parser.add_argument("--workers", type=_count, default=2, help="ray-vs-local: worker actors (default 2)")
+    parser.add_argument(
+        "--workers", type=_count, default=2, help="ray-vs-local, store: worker actors (default 2)"
+    )
     parser.add_argument(
         "--scenarios",
         default=None,
@@ -154,6 +157,10 @@ def bench_main(args: argparse.Namespace) -> int:
         from gym_ray.bench.tail_bench import run_tail_bench
 
         result = run_tail_bench(args.n if args.n is not None else 1_000_000, args.shards)
+    elif args.scenario == "store":
+        from gym_ray.bench.store_bench import run_store_bench
+
+        result = run_store_bench(args.n, workers=args.workers)
     elif args.scenario == "latency":
         from gym_ray.bench.latency import run_latency_bench
 

@@ -68,12 +68,15 @@ class RunConfig:
         dispatch_deadline_unix_s: The run's dispatch deadline (``time.time()`` seconds), set once when the
             run starts (:meth:`with_dispatch_deadline`) from ``dispatch_budget_s``; every shard of every
             worker stops starting rollouts at this one instant. None: no budget, or not started yet.
+        store_url: The run folder's object-store URL (``s3://...``) when ``output_dir`` named one; each
+            process then works on a local stage of it (:func:`gym_ray.store.mirror.localize`).
     """
 
     settings: RunSettings
     topology: Topology
     tracing: TracingSettings
     dispatch_deadline_unix_s: float | None = None
+    store_url: str | None = None
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> RunConfig:
@@ -84,7 +87,10 @@ class RunConfig:
         """
         settings = RunSettings.from_config(cfg)
         tracing = TracingSettings.from_config(cfg)
-        return cls(settings=settings, topology=Topology.from_config(cfg), tracing=tracing)
+        output_dir = settings.output_dir
+        store_url = output_dir if output_dir is not None and "://" in output_dir else None
+        topology = Topology.from_config(cfg)
+        return cls(settings=settings, topology=topology, tracing=tracing, store_url=store_url)
 
     def with_share(self, max_resident_tasks: int) -> RunConfig:
         """A copy whose process admits at most ``max_resident_tasks`` rollouts (a worker's part of the

@@ -13,7 +13,6 @@ dotted key, with the bad value and what is allowed. Nothing here does I/O other 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -22,10 +21,11 @@ import pydantic
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from gym_ray import keys
 from gym_ray.config._hydra import FlowSyntaxError, parse_flow_value
+from gym_ray.config._paths import PATH_SETTINGS, check_path_setting, check_store_folder_alone
 from gym_ray.errors import ConfigError
 
 __all__ = [
@@ -329,12 +329,6 @@ def _describe_allowed(name: str, info: Any) -> str:
     return text
 
 
-#: ``scheme://`` at the start of a path setting: a URL, not a path (``s3://``, ``gs://``, ``file://``, ...).
-_URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
-#: The settings that name a file or folder of this machine's (or the cluster's shared) file system.
-_PATH_SETTINGS = ("output_dir", "output_jsonl_fpath", "input_jsonl_fpath")
-
-
 class RunSettings(BaseModel):
     """The run-level knobs of a config (top-level keys that are not server instances).
 
@@ -363,6 +357,10 @@ class RunSettings(BaseModel):
         max_rollout_attempts: (unset: ``NEMO_GYM_MAX_ROLLOUT_ATTEMPTS`` when set, as in NeMo Gym 0.7)
             attempts per rollout before resume gives up on it (rollouts the server
             answered with a failure; infrastructure failures do not count).
+        store_publish_every / store_publish_interval_s: with ``output_dir`` on an object store, a worker
+            publishes a shard's new records every this many records or seconds, whichever comes first, and
+            when the shard ends (:mod:`gym_ray.store.publish`); records not yet published when a worker
+            dies run again.
         max_infra_retries: resends of one rollout after infrastructure failures (connection refused or
             reset, timeout, 429/502/503/504) while its server still looked up; waiting for a down server
             spends none. Keep it >= 3 (the failures in a row that make a server look down) so that an
@@ -438,6 +436,8 @@ class RunSettings(BaseModel):
     retry_requests: bool = True
     max_rollout_attempts: int = Field(3, ge=1)
     max_infra_retries: int = Field(10, ge=0)
+    store_publish_every: int = Field(1000, ge=1)
+    store_publish_interval_s: float = Field(30.0, gt=0)
     server_outage_timeout_s: float = Field(300.0, gt=0)
     shard_size: int | None = Field(None, ge=1)
     num_workers: int | None = Field(None, ge=1)
@@ -510,17 +510,15 @@ class RunSettings(BaseModel):
         ``max_resident_rollout_tasks``, the smaller), or None when neither is set."""
         return run_concurrency_cap(self.model_dump())
 
-    @field_validator(*_PATH_SETTINGS)
+    @field_validator(*PATH_SETTINGS)
     @classmethod
-    def _check_local_path(cls, value: str | None) -> str | None:
-        match = None if value is None else _URL_SCHEME.match(value)
-        if match is not None:
-            scheme = match.group(1)
-            raise ValueError(
-                f"a {scheme}:// URL, and URLs (object storage included) are not supported yet: give a path "
-                "on a file system (on a cluster, one every node mounts; see cluster/README.md)"
-            )
-        return value
+    def _check_local_path(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return check_path_setting(str(info.field_name), value)
+
+    @model_validator(mode="after")
+    def _store_folder_alone(self) -> RunSettings:
+        check_store_folder_alone(self.output_dir, self.output_jsonl_fpath)
+        return self
 
     @field_validator("num_repeats", mode="before")
     @classmethod
@@ -604,7 +602,7 @@ class RunSettings(BaseModel):
                     lines.extend(messages)
                     continue
                 info = cls.model_fields.get(top)
-                path_only = top in _PATH_SETTINGS  # its check says what to give
+                path_only = top in PATH_SETTINGS  # its check says what to give
                 allowed = (
                     f"; allowed: {_describe_allowed(top, info)}" if info is not None and not path_only else ""
                 )

@@ -158,7 +158,17 @@ async def raise_if_control_actor_lost(actors: RunActors, run_dir: str, restarts:
 def resume_hint(run_dir: str) -> str:
     """One sentence on whether a rerun continues ``run_dir`` (true only when the folder holds a plan)."""
     from gym_ray.plan.run_manifest import RUN_MANIFEST
+    from gym_ray.store import is_store_url
 
-    if (Path(run_dir) / RUN_MANIFEST).exists():
+    if is_store_url(run_dir):  # a folder on an object store: its plan is an object there
+        from gym_ray.store.objects import ObjectStore, StoreError
+
+        try:
+            planned = ObjectStore(run_dir).get(RUN_MANIFEST) is not None
+        except StoreError:
+            return f"rerun the same command once {run_dir} can be reached: it runs only what is missing"
+    else:
+        planned = (Path(run_dir) / RUN_MANIFEST).exists()
+    if planned:
         return f"the run folder {run_dir} is resumable: rerun the same command to run only what is missing"
     return f"nothing was recorded in {run_dir}: rerun the same command to start over"

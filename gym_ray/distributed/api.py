@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from gym_ray.config.run_config import ConfigSource, RunConfig, resolve_run_config
 from gym_ray.distributed.actors import (
@@ -445,6 +445,23 @@ async def acollect(
     if require_complete:
         settings = {**settings, "require_complete": True}  # finalize_run raises when the run is incomplete
     run = await resolve_run_config(config, overrides=overrides, settings=settings)
+    if run.store_url is not None and run.settings.output_dir == run.store_url:
+        from gym_ray.store.mirror import on_store  # a folder on an object store: work on a local copy
+
+        async with on_store(run) as (local, publish):
+            return cast(
+                "RunResult",
+                publish(
+                    await acollect(
+                        local,
+                        address=address,
+                        num_workers=num_workers,
+                        rows=rows,
+                        progress=progress,
+                        progress_every_s=progress_every_s,
+                    )
+                ),
+            )
     # dispatch_budget_s counts from here (Ray's start included) for every shard of every worker.
     run = run.with_dispatch_deadline()
     run_settings = run.settings
@@ -472,6 +489,8 @@ async def acollect(
             )
         finally:
             checked.discard()
+            if run.store_url is not None:  # the driver planned in its own copy: whether it did is here
+                await asyncio.to_thread(_pull_plan, run.store_url)
         folder.finish(result.complete)
         return result
 
@@ -514,6 +533,14 @@ async def _collect_on_ray(
             if view is not None:
                 view.close()
     return result
+
+
+def _pull_plan(store_url: str) -> None:
+    """Copy the run manifest the driver wrote on the store into this process's copy of the folder."""
+    from gym_ray.plan.run_manifest import RUN_MANIFEST
+    from gym_ray.store.mirror import mirror_of
+
+    mirror_of(store_url).pull_files([RUN_MANIFEST])
 
 
 def _traceparent_of(span: Any) -> str | None:

@@ -27,7 +27,7 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -137,6 +137,13 @@ class RunCoordinator:
         clock: Callable[[], float] = time.monotonic,
         journal: str | None = None,
     ) -> None:
+        self._mirror = None
+        if run.store_url is not None:  # a folder on an object store: this actor's own local copy of it
+            from gym_ray.store.mirror import localize, mirror_of
+
+            self._mirror = mirror_of(run.store_url)
+            run = localize(run)
+            run_dir = str(self._mirror.stage)
         self._run_dir = run_dir
         self._run = run
         self._settings = run.settings
@@ -217,6 +224,8 @@ class RunCoordinator:
             aggregate_ahead.register(self._run_dir, self._aggregation_ahead)
 
         def reduce_and_grow(shard: str, planned: tuple[str, ...]) -> bool:
+            if self._mirror is not None:
+                self._mirror.pull_shard(shard)
             stored = reduce_ahead(self._run_dir, shard)
             if stored:
                 grow_prefix(self._run_dir, planned)
@@ -263,6 +272,7 @@ class RunCoordinator:
         """Flush and shut down this process's telemetry before the actor is killed (idempotent; a no-op
         when nothing was traced here). See :func:`gym_ray.observe.tracing.shutdown_tracing`."""
         from gym_ray.observe.tracing_gate import shutdown_tracing_if_used
+        from gym_ray.store import release_stages
 
         await self._stop_reducing_ahead()
         if self._aggregation_ahead is not None:  # not taken by a finalize: its spools go
@@ -271,6 +281,7 @@ class RunCoordinator:
             if aggregate_ahead.claim(self._run_dir) is not None:
                 self._aggregation_ahead.discard()
         await asyncio.to_thread(shutdown_tracing_if_used)
+        release_stages()  # this process's copy of a store folder, if any
 
     def record_report(
         self, report: ShardReport, by_server: Mapping[str, tuple[int, float]] | None = None
@@ -335,6 +346,8 @@ class RunCoordinator:
         self._add_spec(spec)
 
     def _add_spec(self, spec: ShardSpec) -> None:
+        if spec.run_dir != self._run_dir:  # planned in the driver's copy of a store folder: read here
+            spec = replace(spec, run_dir=self._run_dir)
         self._planned_shards.add(spec.shard)
         self._specs.append(spec)
         self._rows_planned += spec.num_rows
@@ -403,20 +416,29 @@ class RunCoordinator:
             self.reduced_ahead,
             self.grouped_ahead,
         )
-        async with factory(self._run) as client:
-            result = await self._finalize_fn(
-                self._plan(),
-                list(self._reports),
-                run=self._run,
-                client=client,
-                wall_s=wall_s,
-                num_workers=num_workers,
-                counts_from_reports=counts_from_reports,
+        mirror = self._mirror
+        if mirror is not None:  # the whole folder here: every file, and each shard's committed records
+            await asyncio.to_thread(mirror.pull_all)
+        try:
+            async with factory(self._run) as client:
+                result = await self._finalize_fn(
+                    self._plan(),
+                    list(self._reports),
+                    run=self._run,
+                    client=client,
+                    wall_s=wall_s,
+                    num_workers=num_workers,
+                    counts_from_reports=counts_from_reports,
+                )
+            status = await self.status()
+            self._write_distributed_summary(
+                Path(result.summary_path), status, num_workers=num_workers, wall_s=wall_s
             )
-        status = await self.status()
-        self._write_distributed_summary(
-            Path(result.summary_path), status, num_workers=num_workers, wall_s=wall_s
-        )
+        finally:
+            if mirror is not None:  # outputs, metrics, state and summary (last), each one whole object
+                await asyncio.to_thread(mirror.push_changed)
+        if mirror is not None:
+            result = mirror.published(result)
         logger.info(
             "coordinator: run %s finalized: %d succeeded, %d failed (this call), %.1f rollouts/s, %d workers",
             result.run_id,

@@ -234,9 +234,11 @@ class ShardDriver:
         """:meth:`stop_planning`, then flush and shut down this process's telemetry (see
         :func:`gym_ray.observe.tracing.shutdown_tracing`). Idempotent."""
         from gym_ray.observe.tracing_gate import shutdown_tracing_if_used
+        from gym_ray.store import release_stages
 
         await self.stop_planning()
         await asyncio.to_thread(shutdown_tracing_if_used)
+        release_stages()  # this process's copy of a store folder, if any
 
     async def _plan_loop(self) -> None:
         cond = self._cond()
@@ -518,7 +520,27 @@ def plan_from_config(
 
     # This runs in a thread of the async driver actor: wait on the ref's future (ray.get would warn).
     source: list[dict[str, Any]] | None = rows.future().result() if rows is not None else None
+    if run.store_url is not None:
+        return _plan_on_store(run, source, num_workers, checked)
     return iter_prepare_run(run, rows=source, num_workers=num_workers, checked=checked)
+
+
+def _plan_on_store(
+    run: RunConfig, rows: list[dict[str, Any]] | None, num_workers: int, checked: CheckedInput | None
+) -> Iterator[ShardSpec]:
+    """Plan a run whose folder is on an object store, in this process's copy of it: the folder's files are
+    copied here first (a resume verifies the shards planned before), and each shard's inputs and manifest
+    (with the run's files) are pushed before the shard is handed out."""
+    from gym_ray.plan.shards import iter_prepare_run
+    from gym_ray.store.mirror import localize, mirror_of
+
+    assert run.store_url is not None
+    mirror = mirror_of(run.store_url)
+    mirror.pull_files()
+    for spec in iter_prepare_run(localize(run), rows=rows, num_workers=num_workers, checked=checked):
+        mirror.push_changed()
+        yield spec
+    mirror.push_changed()
 
 
 class RunDriver(ShardDriver):

@@ -268,8 +268,10 @@ class RolloutWorker:
         tracing is off.
         """
         from gym_ray.observe.tracing_gate import shutdown_tracing_if_used
+        from gym_ray.store import release_stages
 
         await asyncio.to_thread(shutdown_tracing_if_used)
+        release_stages()  # this process's copy of a store folder, if any
 
     async def run(self) -> WorkerTotals:
         """Pull and run shards until the driver has none left; return this worker's totals.

@@ -123,6 +123,13 @@ def aggregate_main(args: argparse.Namespace) -> int:
         RunLockError: A run (or another aggregate) holds the folder; nothing is written.
         AggregationError: One or more servers failed (the previous metrics file is unchanged).
     """
+    from gym_ray.store import is_store_url
+
+    if is_store_url(args.run_dir):  # a store folder: aggregated in a local copy, the results pushed back
+        from gym_ray.store.mirror import folder_copy
+
+        with folder_copy(args.run_dir, push=True) as (local, _):
+            return aggregate_main(argparse.Namespace(**{**vars(args), "run_dir": str(local)}))
     from gym_ray.finalize.merge import merge_shards
 
     run_dir = Path(args.run_dir)

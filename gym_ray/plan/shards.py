@@ -54,20 +54,23 @@ from gym_ray.record.shard_files import shard_paths
 
 #: Largest automatic shard (rows); also the shard size of a plan cut without a known worker count.
 DEFAULT_SHARD_SIZE = 1000
+#: Largest automatic shard (rows) of a run folder on an object store: each shard costs about ten requests
+#: to the store on top of its records' publications (:mod:`gym_ray.store.publish`).
+STORE_SHARD_SIZE = 5000
 #: Smallest automatic shard (rows): below it per-shard file and manifest costs dominate.
 MIN_AUTO_SHARD_SIZE = 16
 #: Shards per worker the automatic size aims for, so the pull-based hand-out can balance the tail.
 SHARDS_PER_WORKER = 4
 
 
-def auto_shard_size(run_rows: int, num_workers: int) -> int:
+def auto_shard_size(run_rows: int, num_workers: int, *, cap: int = DEFAULT_SHARD_SIZE) -> int:
     """Rows per shard for a run of ``run_rows`` rows on ``num_workers`` workers (``shard_size`` unset).
 
-    About :data:`SHARDS_PER_WORKER` shards per worker, within [:data:`MIN_AUTO_SHARD_SIZE`,
-    :data:`DEFAULT_SHARD_SIZE`]: 800 rows on 2 workers are 8 shards of 100, so both workers run.
+    About :data:`SHARDS_PER_WORKER` shards per worker, within [:data:`MIN_AUTO_SHARD_SIZE`, ``cap``]: 800
+    rows on 2 workers are 8 shards of 100, so both workers run.
     """
     wanted = -(-run_rows // (SHARDS_PER_WORKER * max(1, num_workers)))
-    return max(MIN_AUTO_SHARD_SIZE, min(DEFAULT_SHARD_SIZE, wanted))
+    return max(MIN_AUTO_SHARD_SIZE, min(cap, wanted))
 
 
 @dataclass(frozen=True)
@@ -442,7 +445,7 @@ def iter_prepare_run(
             rows,
             output_dir,
             config_identity=topology.identity_digest(),
-            shard_size=_planned_shard_size(settings, output_dir, counted, num_workers),
+            shard_size=_planned_shard_size(settings, output_dir, counted, num_workers, run.store_url),
             max_rollout_attempts=settings.max_rollout_attempts,
             run_rows=counted,
         )
@@ -470,14 +473,19 @@ def iter_prepare_run(
             yield from plan(_checked(again, replay, check, flags), counted)
 
 
-def _planned_shard_size(settings: RunSettings, output_dir: str, run_rows: int, num_workers: int) -> int:
-    """``shard_size`` when set; else the size a resumed folder was cut with; else :func:`auto_shard_size`."""
+def _planned_shard_size(
+    settings: RunSettings, output_dir: str, run_rows: int, num_workers: int, store_url: str | None
+) -> int:
+    """``shard_size`` when set; else the size a resumed folder was cut with; else :func:`auto_shard_size`
+    (up to :data:`STORE_SHARD_SIZE` rows for a folder on an object store, where a shard costs requests)."""
     if settings.shard_size is not None:
         return settings.shard_size
     recorded = (read_run_manifest(Path(output_dir)) or {}).get("shard_size")
     if isinstance(recorded, int) and recorded >= 1:
         return recorded
-    return auto_shard_size(run_rows, num_workers)
+    return auto_shard_size(
+        run_rows, num_workers, cap=DEFAULT_SHARD_SIZE if store_url is None else STORE_SHARD_SIZE
+    )
 
 
 def _checked(

@@ -56,6 +56,7 @@ from gym_ray.errors import ConfigError, InputError
 from gym_ray.plan.run_manifest import RUN_MANIFEST
 from gym_ray.record.jsonl import JsonlReader
 from gym_ray.record.shard_files import Identity, list_shards, record_identity, shard_paths
+from gym_ray.store import is_store_url
 
 __all__ = ["LedgerReport", "check_run"]
 
@@ -186,7 +187,7 @@ def check_run(
     """Compute the ledger figures of a run folder (definitions in the module docstring).
 
     Args:
-        run_dir: The run folder.
+        run_dir: The run folder: a path, or a folder on an object store (``s3://BUCKET/PREFIX``).
         planned: Planned identities; default: every identity in the shards' materialized inputs.
         acknowledged: Identities the collector acknowledged as recorded; default: none.
         request_counts: /run requests per identity as the server counted them; default: not reported.
@@ -205,6 +206,20 @@ def check_run(
         >>> report.ok, report.as_dict()["missing"]  # doctest: +SKIP
         (True, 0)
     """
+    if is_store_url(run_dir):  # a store folder: its committed records, read in a local copy
+        from gym_ray.store.mirror import folder_copy
+
+        with folder_copy(run_dir) as (local, mirror):
+            assert mirror is not None
+            report = check_run(
+                local,
+                planned=planned,
+                acknowledged=acknowledged,
+                request_counts=request_counts,
+                max_rollout_attempts=max_rollout_attempts,
+                merged_prefix=merged_prefix,
+            )
+            return mirror.published(report)
     base = Path(run_dir)
     if not base.is_dir():
         raise InputError(

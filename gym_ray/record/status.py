@@ -50,6 +50,7 @@ from gym_ray.record.run_lock import describe_holder, lock_holder
 from gym_ray.record.run_record import RUN_RECORD_FILE
 from gym_ray.record.run_state import describe_state, observe_state
 from gym_ray.record.shard_files import list_shards, record_identity, shard_paths
+from gym_ray.store import is_store_url
 
 __all__ = [
     "AGGREGATE_ERRORS_FILE",
@@ -512,8 +513,18 @@ def format_status(status: RunStatus) -> str:
 
 
 def status_main(args: argparse.Namespace) -> int:
-    """``gym-ray status RUN_DIR [--json]``: print the run's status. Exit code 0."""
-    status = run_status(args.run_dir)
+    """``gym-ray status RUN_DIR [--json]``: print the run's status. Exit code 0.
+
+    ``RUN_DIR`` may be a store folder (``s3://...``): its committed records are read (a live run's
+    records since each shard's last publication are not there yet)."""
+    if is_store_url(args.run_dir):
+        from gym_ray.store.mirror import folder_copy
+
+        with folder_copy(args.run_dir) as (local, mirror):
+            assert mirror is not None
+            status = mirror.published(run_status(local))
+    else:
+        status = run_status(args.run_dir)
     if getattr(args, "json", False):
         print(status.model_dump_json(indent=2))
     else:

@@ -23,7 +23,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from gym_ray import keys
 from gym_ray.config.run_config import ConfigSource, RunConfig, resolve_run_config
@@ -139,6 +139,11 @@ async def _run_shard(
 ) -> ShardReport:
     started = time.monotonic()
     settings = run.settings
+    lease = None
+    if run.store_url is not None:  # a folder on an object store: take the shard there, copy it here
+        from gym_ray.store.publish import take_shard
+
+        spec, lease = await take_shard(run, spec)
     writer = ShardWriter(
         spec.run_dir,
         spec.shard,
@@ -210,6 +215,8 @@ async def _run_shard(
                         succeeded += 1
                     if on_outcome is not None:
                         on_outcome(row, record)
+                    if lease is not None and lease.due():
+                        await lease.publish()
                     if loop.time() >= progress_due:
                         writer.write_progress()
                         progress_due = loop.time() + PROGRESS_FILE_INTERVAL_S
@@ -226,8 +233,14 @@ async def _run_shard(
                 unwatch()
             await completions.aclose()
         writer.write_progress()
+    except Exception:
+        if lease is not None:  # what is recorded stays recorded: a resume runs only the rest
+            await lease.publish(quiet=True)
+        raise
     finally:
         writer.close()
+    if lease is not None:
+        await lease.publish()
     return ShardReport(
         latency_ms_sum=latency_sum_ms,
         latency_histogram=histogram,
@@ -385,6 +398,14 @@ async def acollect_local(
         settings = {**settings, "require_complete": True}  # finalize_run raises when the run is incomplete
     with stage_cpu_scope():  # off unless GYM_RAY_STAGE_CPU_FILE is set (gym-ray bench pipeline)
         run = await resolve_run_config(config, overrides=overrides, settings=settings)
+        if run.store_url is not None and run.settings.output_dir == run.store_url:
+            from gym_ray.store.mirror import on_store  # a folder on an object store: work on a local copy
+
+            async with on_store(run) as (local, published):
+                done = await acollect_local(
+                    local, rows=rows, progress=progress, progress_every_s=progress_every_s
+                )
+                return cast("RunResult", published(done))
         run = run.with_dispatch_deadline()  # dispatch_budget_s counts from here, for every shard
         await preflight(run, rows=rows)
         if run.settings.output_dir is None:

@@ -28,12 +28,13 @@ from typing import Any
 
 from gym_ray import keys
 from gym_ray.dispatch.outcomes import RolloutFailureRecord
+from gym_ray.errors import UsageError
 from gym_ray.streaming.filters import GroupFilter, filter_names, filter_verdict
 from gym_ray.streaming.groups import Item, RolloutGroup, Row, is_stale, version_of
 from gym_ray.streaming.step_stats import StepMeter
 from gym_ray.streaming.worker import Outcome, SeqRow
 
-__all__ = ["Delivery", "Ready", "StaleCallback"]
+__all__ = ["Delivery", "Ready", "StaleCallback", "refuse_used_record_dir"]
 
 #: ``on_stale(row, outcome)``: sees a stale rollout before its row runs again (to keep it elsewhere).
 StaleCallback = Callable[[Row, Outcome], None]
@@ -250,3 +251,17 @@ class Delivery:
             if fresh:
                 out.append(fresh)
         return out
+
+
+def refuse_used_record_dir(record_dir: str) -> None:
+    """A stream without ``resume=True`` starts a folder afresh: one that already holds shards is refused
+    (a second recording in it would add rows nobody asked to re-collect)."""
+    from gym_ray.record.shard_files import list_shards
+
+    shards = list_shards(record_dir)
+    if shards:
+        raise UsageError(
+            f"stream: record_dir {record_dir} already holds {len(shards)} recording(s) "
+            f"({', '.join(shards)}); pass resume=True to skip what they hold (same input order), or give "
+            "a new record_dir"
+        )

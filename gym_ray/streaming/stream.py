@@ -64,7 +64,7 @@ from gym_ray.record.run_lock import RunLock
 from gym_ray.run.preflight import check_ports, check_servers
 from gym_ray.streaming.config_check import check_stream_config
 from gym_ray.streaming.control import StreamControls
-from gym_ray.streaming.delivery import Delivery, StaleCallback
+from gym_ray.streaming.delivery import Delivery, StaleCallback, refuse_used_record_dir
 from gym_ray.streaming.filters import GroupFilter
 from gym_ray.streaming.groups import Item, RolloutGroup, Row
 from gym_ray.streaming.row_feed import aiter_rows, stamp_rows
@@ -162,6 +162,8 @@ class RolloutStream(StreamControls):
             raise UsageError(f"stream: timeout_s={timeout_s!r} must be > 0 seconds, or None for no limit")
         if resume and record_dir is None:
             raise UsageError("stream: resume=True needs record_dir=<the run folder to resume>")
+        if "://" in str(record_dir):  # object-store folders (s3://) are for collect and gym-ray run
+            raise UsageError(f"stream: record_dir={str(record_dir)!r} is a URL; a stream records to a folder")
         if group_filter is not None and group_size is None:
             raise UsageError("stream: group_filter needs group_size (a filter judges a task's whole group)")
         if one_version_groups and group_size is None:
@@ -312,7 +314,7 @@ class RolloutStream(StreamControls):
         if self._record_dir is not None:  # one run per folder: refused before anything starts
             self._lock = RunLock(self._record_dir, what="stream").acquire()
             if not self._resume:
-                _refuse_used_record_dir(self._record_dir)
+                refuse_used_record_dir(self._record_dir)
         run = await resolve_run_config(self._config)
         check_stream_config(run)
         check_ports(run.topology)
@@ -604,17 +606,3 @@ class RolloutStream(StreamControls):
         requeue.sort(key=lambda pair: pair[0])
         self._queue.extendleft(reversed(requeue))
         self._notify()
-
-
-def _refuse_used_record_dir(record_dir: str) -> None:
-    """A stream without ``resume=True`` starts a folder afresh: one that already holds shards is refused
-    (a second recording in it would add rows nobody asked to re-collect)."""
-    from gym_ray.record.shard_files import list_shards
-
-    shards = list_shards(record_dir)
-    if shards:
-        raise UsageError(
-            f"stream: record_dir {record_dir} already holds {len(shards)} recording(s) "
-            f"({', '.join(shards)}); pass resume=True to skip what they hold (same input order), or give "
-            "a new record_dir"
-        )

@@ -366,6 +366,8 @@ def test_run_settings_defaults() -> None:
         "retry_requests": True,
         "max_rollout_attempts": 3,
         "max_infra_retries": 10,
+        "store_publish_every": 1000,
+        "store_publish_interval_s": 30.0,
         "server_outage_timeout_s": 300.0,
         "shard_size": None,
         "num_workers": None,

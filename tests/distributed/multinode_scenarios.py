@@ -24,6 +24,8 @@ Scenarios, three runs on one cluster (a cluster start costs seconds):
 - ``control_restarted``: as ``control_placed`` (the control actors on a worker node), 300 ms per rollout;
   the driver's process is killed once 40 rollouts are done, the coordinator's 40 rollouts after the driver
   is back: Ray restarts each, and the run ends in the same call with nothing lost and nothing sent twice.
+- ``store_node_loss``: the run folder on S3 (moto's server on 127.0.0.1), no folder shared by the nodes;
+  a third one-CPU node joins with its own stage folder, and is removed once 60 rollouts are done.
 """
 
 from __future__ import annotations
@@ -231,12 +233,54 @@ async def _host_node_lost(cluster: Any, servers: Any, run_dir: Path) -> dict[str
     return report
 
 
+async def _store_node_lost(cluster: Any, servers: Any, url: str, stage_c: Path) -> dict[str, Any]:
+    """A run whose folder is on S3 (moto's server) and that no node shares: every process keeps its own
+    copy (a third node's under ``stage_c``); once 60 rollouts are done that node is removed, and its
+    shards are taken over from what the store committed."""
+    from gym_ray.distributed.api import acollect
+    from gym_ray.record.ledger import check_run
+
+    servers.reset_stats()
+    node = cluster.add_node(
+        num_cpus=1, object_store_memory=NODE_OBJECT_STORE_BYTES, env_vars={"GYM_RAY_STAGE_DIR": str(stage_c)}
+    )
+    cluster.wait_for_nodes()
+    settings = {"num_workers": 4, "shard_size": 10, "max_resident_tasks": 4, "num_repeats": REPEATS}
+    run = asyncio.ensure_future(
+        acollect(servers.config, rows=_rows(ROWS), progress=False, output_dir=url, **settings)
+    )
+    await _until(lambda: _completed(servers) >= 60 or run.done(), "60 finished rollouts")
+    # the node's own copy held shard files (a worker ran there), in no folder another node can see
+    had = await asyncio.to_thread(lambda: any(stage_c.rglob("rollouts-*.jsonl")))
+    report: dict[str, Any] = {"lost_node_had_shards": had}
+    cluster.remove_node(node)
+    result = await run
+    ledger = check_run(url).as_dict()
+    report.update(
+        planned=result.planned,
+        succeeded=result.succeeded,
+        failed=result.failed,
+        rollouts_path=result.rollouts_path,
+        wasted_requests=_completed(servers) - result.planned,
+        ledger={k: ledger[k] for k in ("lost", "missing", "duplicates", "corrupt_lines")},
+    )
+    return report
+
+
 async def _scenarios(workdir: Path) -> dict[str, Any]:
     import ray
     from ray.cluster_utils import Cluster
 
     from gym_ray.servers import load_bundled_config, start_in_thread
+    from tests.store.conftest import start_moto, store_env
 
+    # an S3 endpoint for ``store_node_loss``, in the environment every node (and so every actor) inherits
+    moto_port = _free_port()
+    moto = start_moto(moto_port)
+    os.environ.update(store_env(f"http://127.0.0.1:{moto_port}"), GYM_RAY_STAGE_DIR=str(workdir / "stage"))
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="multinode")
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 0, "object_store_memory": NODE_OBJECT_STORE_BYTES},
@@ -274,10 +318,25 @@ async def _scenarios(workdir: Path) -> dict[str, Any]:
                 control_resource=CONTROL_RESOURCE,
                 kill_control=True,
             )
+        env["latency_ms"] = 40
+        with start_in_thread(cfg) as servers:
+            report["store_node_loss"] = await _store_node_lost(
+                cluster, servers, "s3://multinode/store_node_loss", workdir / "stage-c"
+            )
     finally:
         ray.shutdown()
         cluster.shutdown()
+        moto.terminate()
+        moto.wait(timeout=30)
     return report
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def main(argv: list[str]) -> int:

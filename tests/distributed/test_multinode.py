@@ -38,7 +38,15 @@ def report() -> dict[str, Any]:
         )
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    scenarios = ("spread", "control_placed", "node_loss", "host_node_loss", "node_added", "control_restarted")
+    scenarios = (
+        "spread",
+        "control_placed",
+        "node_loss",
+        "host_node_loss",
+        "node_added",
+        "control_restarted",
+        "store_node_loss",
+    )
     print("multi-node figures:", json.dumps({k: result[k] for k in scenarios}, indent=1))
     return result
 
@@ -135,3 +143,16 @@ def test_the_driver_and_the_coordinator_killed_mid_run_come_back_and_the_run_end
     assert restarted["lost_workers"] == []
     assert restarted["wasted_requests"] == 0  # no /run sent twice
     assert restarted["ledger"] == NO_LEDGER_FAULTS
+
+
+def test_a_run_on_s3_with_no_shared_folder_loses_a_node_and_completes_from_the_store(
+    report: dict[str, Any],
+) -> None:
+    # Issue 34: no folder is shared by the nodes; the lost node's shards are taken over from the segments
+    # the store committed, and the merged output is one object on the store.
+    lost = report["store_node_loss"]
+    assert lost["lost_node_had_shards"] is True
+    assert (lost["planned"], lost["succeeded"], lost["failed"]) == (PLANNED, PLANNED, 0)
+    assert lost["ledger"] == NO_LEDGER_FAULTS
+    assert lost["rollouts_path"] == "s3://multinode/store_node_loss/rollouts.jsonl"
+    assert 0 <= lost["wasted_requests"] < PLANNED

@@ -74,19 +74,33 @@ def test_a_bad_line_is_one_line_numbered_as_the_file_and_leaves_no_folder(
 
 
 @pytest.mark.parametrize(
-    ("key", "url"),
+    ("key", "url", "give"),
     [
-        pytest.param("output_dir", "s3://runs/r1", id="s3-output"),
-        pytest.param("output_dir", "gs://bucket/prefix/r1", id="gs-output"),
-        pytest.param("input_jsonl_fpath", "s3://bucket/rows.jsonl", id="s3-input"),
-        pytest.param("output_jsonl_fpath", "file:///tmp/out.jsonl", id="file-url-output"),
+        pytest.param(
+            "output_dir",
+            "gs://bucket/prefix/r1",
+            "give a local path or s3://BUCKET/PREFIX (any S3-compatible store through AWS_ENDPOINT_URL)",
+            id="gs-output",
+        ),
+        pytest.param(
+            "input_jsonl_fpath",
+            "s3://bucket/rows.jsonl",
+            "give a path on a file system (on a cluster, one every node mounts: cluster/README.md)",
+            id="s3-input",
+        ),
+        pytest.param(
+            "output_jsonl_fpath",
+            "file:///tmp/out.jsonl",
+            "give a path on a file system (on a cluster, one every node mounts: cluster/README.md)",
+            id="file-url-output",
+        ),
     ],
 )
 def test_a_url_in_a_path_setting_is_refused_before_anything_and_no_local_folder_is_made(
-    tmp_path: Path, servers: ThreadedDeployment, key: str, url: str
+    tmp_path: Path, servers: ThreadedDeployment, key: str, url: str, give: str
 ) -> None:
-    # Issue 34: `+output_dir=s3://runs/r1` ran to exit 0 writing a local folder named "s3:". Until object
-    # storage is supported, a URL is refused with what to give instead.
+    # Issue 34: `+output_dir=s3://runs/r1` ran to exit 0 writing a local folder named "s3:". s3:// run
+    # folders are supported now (tests/store); any other URL is refused with what to give instead.
     config = write_yaml(tmp_path / "run.yaml", servers.config)
     settings = {"input_jsonl_fpath": str(_rows_with(tmp_path / "rows.jsonl", json.dumps(calc_rows(8)[7])))}
     settings["output_dir"] = str(tmp_path / "out")
@@ -99,9 +113,8 @@ def test_a_url_in_a_path_setting_is_refused_before_anything_and_no_local_folder_
     scheme = url.split("://")[0]
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == (
-        f"gym-ray run: error: config key '{key}' is {url!r}: a {scheme}:// URL, and URLs (object storage "
-        "included) are not supported yet: give a path on a file system (on a cluster, one every node "
-        "mounts; see cluster/README.md)\n"
+        f"gym-ray run: error: config key '{key}' is {url!r}: a {scheme}:// URL is not supported here: "
+        f"{give}\n"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl", "run.yaml"]
     assert servers.stats("calc_env").requests == 0
