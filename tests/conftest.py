@@ -25,3 +25,17 @@ def ray_session() -> Iterator[Any]:
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def slow_servers() -> Iterator[Any]:
+    """The demo servers on 127.0.0.1 in a thread; ``arith_env`` answers each /run after 300 ms, so a run
+    lasts long enough to stop, kill or watch."""
+    from gym_ray.servers import load_bundled_config
+    from gym_ray.servers.launch import start_in_thread
+
+    cfg = load_bundled_config("demo")
+    env = cfg["arith_env"]["environment_servers"]["example_env"]
+    env["latency_ms"], env["latency_jitter_ms"] = 300, 0
+    with start_in_thread(cfg) as servers:
+        yield servers

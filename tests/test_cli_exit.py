@@ -71,7 +71,7 @@ def test_the_error_line_is_the_remote_cause_without_colour_codes() -> None:
             ["bench", "pipline"],
             "gym-ray bench: error: argument scenario: invalid choice: 'pipline'; did you mean 'pipeline'? "
             "(choose from dispatch, record, ray, tracing, memory, latency, merge, tail, collect-memory, "
-            "plan-memory, ray-vs-local, chaos, pipeline)",
+            "plan-memory, ray-vs-local, chaos, pipeline, store)",
             id="scenario",
         ),
         pytest.param(

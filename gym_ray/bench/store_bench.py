@@ -34,12 +34,19 @@ from gym_ray.bench.collect_memory import write_input
 from gym_ray.bench.dispatch import serve_bench_server
 from gym_ray.errors import UsageError
 
-__all__ = ["run_store_bench"]
+__all__ = ["run_store_bench", "start_moto"]
 
 _BUCKET = "bench"
 
 
-def _moto(port: int, log: Path) -> subprocess.Popen[bytes]:
+def start_moto(port: int, log: Path | None = None) -> subprocess.Popen[bytes]:
+    """moto's S3 server on 127.0.0.1:``port`` in a child process (its access log to ``log``), answering
+    once this returns.
+
+    Raises:
+        UsageError: moto is not installed.
+        RuntimeError: It did not answer within 60 s.
+    """
     try:
         import moto  # noqa: F401
     except ImportError as exc:
@@ -47,7 +54,7 @@ def _moto(port: int, log: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
-        stderr=log.open("wb"),
+        stderr=subprocess.DEVNULL if log is None else log.open("wb"),
     )
     deadline = time.monotonic() + 60
     while True:
@@ -57,7 +64,7 @@ def _moto(port: int, log: Path) -> subprocess.Popen[bytes]:
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"moto's S3 server did not start; see {log}") from None
+                raise RuntimeError("moto's S3 server did not start") from None
             time.sleep(0.05)
 
 
@@ -86,7 +93,7 @@ def run_store_bench(n: int = 20000, workers: int = 2) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gym-ray-bench-") as tmp, serve_bench_server() as config:
         folder = Path(tmp)
         log = folder / "moto.log"
-        moto = _moto(port, log)
+        moto = start_moto(port, log)
         try:
             env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
             env.update(

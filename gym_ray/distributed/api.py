@@ -477,6 +477,9 @@ async def acollect(
     with holding_run_folder(run_dir, what="collect", record=check.record, expect=check.expect) as folder:
         from gym_ray.plan.first_pass import CheckedInput, validate_ahead
 
+        if run.store_url is not None:  # the run's record and "running" state on the store from the start
+            await asyncio.to_thread(_push_own, run.store_url)
+
         # Every row is validated before Ray starts; the driver actor takes the pass over.
         note = planning_note(run_settings, before_ray=True) if show and row_list is None else None
         if note is not None:  # a large input takes seconds to validate: say so
@@ -533,6 +536,12 @@ async def _collect_on_ray(
             if view is not None:
                 view.close()
     return result
+
+
+def _push_own(store_url: str) -> None:
+    from gym_ray.store.mirror import mirror_of
+
+    mirror_of(store_url).push_changed()
 
 
 def _pull_plan(store_url: str) -> None:

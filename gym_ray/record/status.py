@@ -523,6 +523,16 @@ def status_main(args: argparse.Namespace) -> int:
         with folder_copy(args.run_dir) as (local, mirror):
             assert mirror is not None
             status = mirror.published(run_status(local))
+        if status.stopped_by == "killed":  # no lock to probe on a store: a live run looks like this too
+            who = status.state_line.partition("killed (")[2].partition("): ")[0]
+            status = status.model_copy(
+                update={
+                    "state": "unknown",
+                    "stopped_by": None,
+                    "state_line": f"state: running or killed ({who}): a folder on an object store has no "
+                    "lock to tell; the records are as of each shard's last publication",
+                }
+            )
     else:
         status = run_status(args.run_dir)
     if getattr(args, "json", False):

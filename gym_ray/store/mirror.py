@@ -77,6 +77,21 @@ def localize(run: RunConfig) -> RunConfig:
     return replace(run, settings=run.settings.model_copy(update={"output_dir": stage}))
 
 
+def _sweep_dead(folder: Path) -> None:
+    """Remove the stages in ``folder`` of processes of this machine that are gone (killed ones leave theirs;
+    what counts of them is on the store)."""
+    import psutil
+
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        pid = entry.name.split("-", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def folder_copy(
     folder: str | os.PathLike[str], *, push: bool = False
@@ -139,7 +154,7 @@ class Mirror:
         self.store = store
         digest = hashlib.sha256(str(store.url).encode()).hexdigest()[:16]
         self.stage = stage_root() / digest / f"{os.getpid()}-{os.urandom(3).hex()}"
-        shutil.rmtree(self.stage, ignore_errors=True)
+        _sweep_dead(self.stage.parent)
         self.stage.mkdir(parents=True)
         self._seen: dict[str, tuple[int, int]] = {}  # file -> (size, mtime_ns) when last pulled or pushed
         self._etags: dict[str, str] = {}  # file -> ETag of the object it came from or went to

@@ -271,8 +271,9 @@ async def _scenarios(workdir: Path) -> dict[str, Any]:
     import ray
     from ray.cluster_utils import Cluster
 
+    from gym_ray.bench.store_bench import start_moto
     from gym_ray.servers import load_bundled_config, start_in_thread
-    from tests.store.conftest import start_moto, store_env
+    from tests.store.conftest import store_env
 
     # an S3 endpoint for ``store_node_loss``, in the environment every node (and so every actor) inherits
     moto_port = _free_port()

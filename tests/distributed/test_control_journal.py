@@ -103,7 +103,7 @@ def _report(shard: str, succeeded: int, worker: str) -> ShardReport:
 
 
 def _coordinator(tmp_path: Path, journal: Path) -> RunCoordinator:
-    run: Any = type("Run", (), {"settings": None})()  # counting reads no setting
+    run: Any = type("Run", (), {"settings": None, "store_url": None})()  # counting reads no setting
     finalize: Any = None
     return RunCoordinator(str(tmp_path), run, finalize_fn=finalize, journal=str(journal))
 

@@ -14,15 +14,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
 from gym_ray.record.ledger import check_run
-from gym_ray.servers import load_bundled_config
-from gym_ray.servers.launch import ThreadedDeployment, start_in_thread
+from gym_ray.servers.launch import ThreadedDeployment
 from tests.run._cli import (
     cli_env,
     dead_config,
@@ -62,16 +61,6 @@ def _successes(out: Path) -> int:
     """Success lines in every shard file of run folder ``out``: a worker runs two shard lanes at once, so
     the first rollouts may land in more than one shard."""
     return sum(_lines(path) for path in out.glob("rollouts-[0-9]*[0-9].jsonl"))
-
-
-@pytest.fixture
-def slow_servers() -> Iterator[ThreadedDeployment]:
-    """The demo servers; ``arith_env`` answers each /run after 300 ms, so a run lasts long enough to hit."""
-    cfg = load_bundled_config("demo")
-    env = cfg["arith_env"]["environment_servers"]["example_env"]
-    env["latency_ms"], env["latency_jitter_ms"] = 300, 0
-    with start_in_thread(cfg) as servers:
-        yield servers
 
 
 def _slow_run_args(tmp_path: Path, servers: ThreadedDeployment, out: Path, rows: int = 60) -> list[str]:

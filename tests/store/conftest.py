@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,27 +13,10 @@ from typing import Any
 
 import pytest
 
+from gym_ray.bench.store_bench import start_moto
+
 #: The test credentials; the tests look for this secret in every object and output a run leaves.
 SECRET = "s3cr3t-that-must-never-be-written"
-
-
-def start_moto(port: int) -> subprocess.Popen[bytes]:
-    """moto's S3 server on 127.0.0.1:``port``, answering once this returns."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("moto's S3 server did not start") from None
-            time.sleep(0.05)
 
 
 def store_env(endpoint: str) -> dict[str, str]:

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
 from gym_ray.record.ledger import check_run
-from gym_ray.servers import load_bundled_config
-from gym_ray.servers.launch import ThreadedDeployment, start_in_thread
+from gym_ray.servers.launch import ThreadedDeployment
 from gym_ray.store.objects import ObjectStore
 from gym_ray.store.segments import SHARDS_PREFIX, read_head
 from tests.run._cli import first_line, free_port, gym_ray, write_rows, write_yaml
@@ -25,12 +23,9 @@ pytestmark = pytest.mark.timeout(900)  # Ray starts take minutes on a loaded 2-c
 
 
 @pytest.fixture
-def servers() -> Iterator[ThreadedDeployment]:
-    cfg = load_bundled_config("demo")
-    env = cfg["arith_env"]["environment_servers"]["example_env"]
-    env["latency_ms"], env["latency_jitter_ms"] = 300, 0
-    with start_in_thread(cfg) as deployment:
-        yield deployment
+def servers(slow_servers: ThreadedDeployment) -> ThreadedDeployment:
+    """The demo servers, ``arith_env`` answering each /run after 300 ms (tests/run's ``slow_servers``)."""
+    return slow_servers
 
 
 def _args(tmp_path: Path, servers: ThreadedDeployment, url: str, *extra: str) -> list[str]:

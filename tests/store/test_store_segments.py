@@ -174,3 +174,15 @@ def test_a_mirror_pushes_what_it_wrote_and_pulls_what_it_lacks(bucket: Bucket) -
     for mirror in (writer, reader):
         mirror.close()
         assert not mirror.stage.exists()
+
+
+def test_a_new_mirror_removes_the_stages_of_processes_that_are_gone(bucket: Bucket) -> None:
+    first = Mirror(ObjectStore(bucket.url("r")))
+    dead = first.stage.parent / "999999999-abcdef"  # no such pid: a killed process's leftover
+    dead.mkdir()
+    (dead / "rollouts-00000.jsonl").write_text("{}\n")
+    second = Mirror(ObjectStore(bucket.url("r")))
+    left = sorted(p.name for p in first.stage.parent.iterdir())
+    assert left == sorted([first.stage.name, second.stage.name])
+    first.close()
+    second.close()
