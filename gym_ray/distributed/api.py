@@ -341,7 +341,7 @@ async def run_actors(
         # The caller prints the headline from the coordinator's summary, not from a second read of the
         # metrics file; if the coordinator cannot say (it just died), the file is read.
         try:
-            adopt_written_summary(await coordinator.written_metrics_summary.remote())
+            adopt_written_summary(await coordinator.written_metrics_summary.remote(), url=result.metrics_path)
         except ray.exceptions.RayError as exc:
             logger.debug("collect: the coordinator's metrics summary is not available: %s", exc)
         return result

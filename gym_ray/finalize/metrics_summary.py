@@ -16,6 +16,7 @@ from typing import Any
 from gym_ray.errors import InputError, ServerResponseError
 from gym_ray.finalize._aggregate_spool import STREAMED_REPLY_KEYS
 from gym_ray.finalize.json_stream import iter_array_of_objects
+from gym_ray.store import is_store_url
 
 __all__ = [
     "WrittenSummary",
@@ -38,6 +39,10 @@ def read_metrics_summary(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     Raises:
         InputError: the file cannot be read or is not a JSON list of objects (names the file).
     """
+    if is_store_url(str(path)):  # a store folder's metrics: as adopted from its coordinator, else fetched
+        if _adopted_url is not None and _adopted_url[0] == str(path):
+            return list(json.loads(_adopted_url[1]))
+        return _read_from_store(str(path))
     file = Path(path)
     written = _last_written
     try:
@@ -80,14 +85,41 @@ def written_summary() -> WrittenSummary | None:
     return _last_written
 
 
-def adopt_written_summary(written: WrittenSummary | None) -> None:
+#: The summary a store run's coordinator wrote, under the metrics object's URL.
+_adopted_url: tuple[str, str] | None = None
+
+
+def adopt_written_summary(written: WrittenSummary | None, url: str | None = None) -> None:
     """Take ``written`` (from :func:`written_summary` in the process that wrote the file) as this process's
     own: :func:`read_metrics_summary` of that file returns it without reading the file, as long as the
     file's device, inode, size and mtime are those noted when it was written (another node, where the
-    shared file system shows other numbers, or a file changed since, reads the file). None does nothing."""
-    global _last_written
-    if written is not None:
+    shared file system shows other numbers, or a file changed since, reads the file). With ``url`` (the
+    metrics object of a folder on an object store, which it uploaded whole) it is that object's summary.
+    None does nothing."""
+    global _last_written, _adopted_url
+    if written is None:
+        return
+    if url is not None and is_store_url(url):
+        _adopted_url = (url, written[1])
+    else:
         _last_written = written
+
+
+def _read_from_store(url: str) -> list[dict[str, Any]]:
+    """:func:`read_metrics_summary` of a metrics object: fetched into a temporary file, read as a stream."""
+    import tempfile
+
+    from gym_ray.store.objects import ObjectStore
+
+    folder, _, name = url.rpartition("/")
+    with tempfile.TemporaryDirectory(prefix="gym-ray-metrics-") as tmp:
+        local = Path(tmp) / name
+        try:
+            ObjectStore(folder).download(name, local)
+        except FileNotFoundError as exc:
+            message = f"no metrics object {url}; run `gym-ray aggregate` to write it"
+            raise InputError(message, path=url) from exc
+        return read_metrics_summary(local)
 
 
 def _identity(path: Path) -> tuple[int, int, int, int]:

@@ -15,13 +15,14 @@ from typing import Any
 from gym_ray.errors import RecordError, RunLockError, UsageError
 from gym_ray.finalize.aggregate import read_metrics_summary
 from gym_ray.run.result import RunResult
+from gym_ray.store import is_store_url
 
 
 def _headline(result: RunResult) -> dict[str, dict[str, Any]]:
     """Per server: ``mean/reward`` and, when the server reports them, pass@1 and pass@k at its repeats."""
     table: dict[str, dict[str, Any]] = {}
     entries: list[dict[str, Any]] = []
-    if result.metrics_path and Path(result.metrics_path).exists():
+    if result.metrics_path and (is_store_url(result.metrics_path) or Path(result.metrics_path).exists()):
         entries = read_metrics_summary(result.metrics_path)
     for entry in entries:
         metrics = {**entry.get("agent_metrics", {}), **entry.get("key_metrics", {})}
@@ -122,7 +123,7 @@ def demo_main(args: argparse.Namespace) -> int:
         servers.close()
     print()
     print(format_result(result))
-    report = check_run(Path(result.run_dir))
+    report = check_run(result.run_dir)
     print(f"ledger:    {report.describe()}")
     return 0 if report.ok else 1
 

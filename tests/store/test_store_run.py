@@ -5,6 +5,7 @@ the reference servers, a local Ray. The folder is read back with `gym-ray status
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import psutil
 import pytest
 
 from gym_ray.record.ledger import check_run
+from gym_ray.servers import calc_config, calc_rows, start_in_thread
 from gym_ray.servers.launch import ThreadedDeployment
 from gym_ray.store.objects import ObjectStore
 from gym_ray.store.segments import SHARDS_PREFIX, read_head
@@ -74,6 +76,7 @@ def test_a_run_to_s3_completes_and_status_check_run_and_aggregate_read_it_there(
     assert (done.returncode, done.stderr) == (0, ""), done.stderr
     assert "60 succeeded, 0 failed, 0 pending of 60 planned rollouts" in done.stdout
     assert f"rollouts:  {url}/rollouts.jsonl" in done.stdout
+    assert "environment server  mean/reward" in done.stdout  # the metrics table, from the store run's summary
     rollouts = bucket.read("sweeps/r1/rollouts.jsonl").splitlines()
     keys = [(json.loads(line)["_ng_task_index"], json.loads(line)["_ng_rollout_index"]) for line in rollouts]
     assert keys == sorted(keys) == [(task, 0) for task in range(60)]  # in order, each once
@@ -130,6 +133,13 @@ def test_a_run_killed_with_sigkill_resumes_from_the_store_and_sends_only_what_is
         proc.communicate()
     committed = _committed(url)
     first = _requests(servers)
+    status = gym_ray(["status", url], cwd=tmp_path, timeout_s=120)
+    assert status.returncode == 0, status.stderr
+    assert re.fullmatch(  # the store has no lock to probe: it does not claim "killed" or "running"
+        r"state: running or killed \(collect pid \d+ on host \S+, started .+ UTC\): a folder on an object "
+        r"store has no lock to tell; the records are as of each shard's last publication",
+        first_line(status.stdout),
+    ), status.stdout
     servers.reset_stats()
     rerun = gym_ray(args, cwd=tmp_path, timeout_s=600)
     assert (rerun.returncode, rerun.stderr) == (0, ""), rerun.stderr
@@ -161,3 +171,27 @@ def test_an_unreachable_store_is_one_line_before_anything_is_sent(
         "missing\n"
     )
     assert _requests(servers) == {}
+
+
+def test_a_local_run_writes_to_s3_too(tmp_path: Path, bucket: Bucket) -> None:
+    # `gym-ray run --local` (no Ray): planned, run and merged in one process, everything on the store
+    with start_in_thread(calc_config(seed=3, latency_ms=0, latency_jitter_ms=0)) as deployment:
+        config = write_yaml(tmp_path / "run.yaml", deployment.config)
+        _local_run(tmp_path, config, bucket)
+
+
+def _local_run(tmp_path: Path, config: Path, bucket: Bucket) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(row) + "\n" for row in calc_rows(12)))
+    url = bucket.url("local")
+    args = ["run", str(config), f"+input_jsonl_fpath={rows}", f"+output_dir={url}", "--local"]
+    args += ["--progress", "off"]
+    done = gym_ray(args, cwd=tmp_path, timeout_s=300)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert f"summary:   {url}/rollouts_summary.json" in done.stdout
+    assert "environment server  mean/reward" in done.stdout  # the metrics object read back from the store
+    assert len(bucket.read("local/rollouts.jsonl").splitlines()) == 12
+    report = check_run(url)
+    assert (report.ok, report.planned, report.settled) == (True, 12, 12)
+    again = gym_ray(args, cwd=tmp_path, timeout_s=300)  # a rerun finds everything on the store
+    assert "12 already on disk, 0 dispatched" in again.stdout, again.stdout + again.stderr
