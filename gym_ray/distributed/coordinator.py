@@ -418,7 +418,7 @@ class RunCoordinator:
         )
         mirror = self._mirror
         if mirror is not None:  # the whole folder here: every file, and each shard's committed records
-            await asyncio.to_thread(mirror.pull_all)
+            await asyncio.to_thread(lambda: mirror.pull_all(outputs=False))
         try:
             async with factory(self._run) as client:
                 result = await self._finalize_fn(

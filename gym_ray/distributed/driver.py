@@ -536,7 +536,7 @@ def _plan_on_store(
 
     assert run.store_url is not None
     mirror = mirror_of(run.store_url)
-    mirror.pull_files()
+    mirror.pull_files(outputs=False)
     for spec in iter_prepare_run(localize(run), rows=rows, num_workers=num_workers, checked=checked):
         mirror.push_changed()
         yield spec

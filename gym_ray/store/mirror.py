@@ -41,6 +41,9 @@ __all__ = ["Mirror", "folder_copy", "localize", "mirror_of", "on_store", "releas
 
 #: Files a process keeps to itself: locks, line indexes, progress, journals and work folders.
 _LOCAL_ONLY_SUFFIXES = (".lock", ".idx", ".progress.json", ".part", ".restore", ".tmp")
+#: A run's merged files and metrics file: written by its end, never read by a run (only by status, the
+#: ledger and ``gym-ray aggregate``).
+RUN_OUTPUTS = frozenset({"rollouts.jsonl", "rollouts_failures.jsonl", "rollouts_aggregate_metrics.json"})
 #: Files written last, in this order, so that a reader who sees them sees everything before them.
 _LAST = ("run_state.json", "rollouts_summary.json")
 
@@ -137,7 +140,7 @@ async def on_store(run: RunConfig) -> AsyncIterator[tuple[RunConfig, Callable[[A
     mirror = mirror_of(run.store_url)
     try:
         await asyncio.to_thread(mirror.store.check)
-        await asyncio.to_thread(mirror.pull_all)
+        await asyncio.to_thread(lambda: mirror.pull_files(outputs=False))  # the run's record and plan
         try:
             yield localize(run), mirror.published
         finally:
@@ -167,12 +170,17 @@ class Mirror:
             return None
         return st.st_size, st.st_mtime_ns
 
-    def pull_files(self, names: list[str] | None = None) -> list[str]:
-        """Download whole-file objects missing here or changed on the store (all of them, or ``names``)."""
+    def pull_files(self, names: list[str] | None = None, *, outputs: bool = True) -> list[str]:
+        """Download whole-file objects missing here or changed on the store (all of them, or ``names``).
+
+        ``outputs=False`` leaves out the merged files and the metrics file (:data:`RUN_OUTPUTS`), which a
+        run writes anew and never reads: a resumed run does not fetch the last one's."""
         listing = {name: v for name, v in self.store.listing().items() if not name.startswith(SHARDS_PREFIX)}
         pulled = []
         for name, (_, etag) in sorted(listing.items()):
             if (names is not None and name not in names) or "/" in name or self._etags.get(name) == etag:
+                continue
+            if not outputs and name in RUN_OUTPUTS:
                 continue
             self.store.download(name, self.stage / name)
             self._etags[name] = etag
@@ -205,9 +213,10 @@ class Mirror:
         for path in published_files(self.stage, shard):
             self._seen[path.name] = self._stat(path.name) or (0, 0)
 
-    def pull_all(self) -> None:
-        """The whole folder: every whole file and every shard's committed records."""
-        self.pull_files()
+    def pull_all(self, *, outputs: bool = True) -> None:
+        """The whole folder: every whole file (``outputs``: as :meth:`pull_files`) and every shard's committed
+        records."""
+        self.pull_files(outputs=outputs)
         for shard in sorted(set(self.shards()) | set(list_shards(self.stage))):
             self.pull_shard(shard)
 

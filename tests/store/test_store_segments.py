@@ -3,6 +3,7 @@ segments, and what a zombie writer or a crash between two writes leaves."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,10 @@ def test_a_new_mirror_removes_the_stages_of_processes_that_are_gone(bucket: Buck
     assert left == sorted([first.stage.name, second.stage.name])
     first.close()
     second.close()
+
+
+def test_without_boto3_a_store_folder_asks_for_the_s3_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed: its import raises
+    with pytest.raises(ConfigError) as caught:
+        ObjectStore("s3://runs/r1")
+    assert str(caught.value) == "a run folder on s3:// needs boto3: pip install 'gym-ray[s3]'"
