@@ -194,18 +194,21 @@ class ProgressView:
                 enabled=self._enabled,
                 baseline=None,
             )
-        self._show_health(self.display, snapshot.health)
+        # servers down or back: a line at once, with this snapshot's counts; else the next regular line
+        note, changed = self._health_note(snapshot.health)
+        self.display.note = note
         self.display.update(
             done=snapshot.done,
             failed=snapshot.failed,
             by_server=snapshot.by_server,
             rate_count=snapshot.done - snapshot.already_done,
             failed_by_class=snapshot.failed_by_class,
+            now=changed,
         )
 
-    def _show_health(self, display: ProgressDisplay, health: Mapping[str, ServerHealthSample]) -> None:
-        """Put the servers that look down (and those just back) at the end of the line; write the line at
-        once when that set changed, else let the next regular line show the new seconds."""
+    def _health_note(self, health: Mapping[str, ServerHealthSample]) -> tuple[str, bool]:
+        """The end of the line: the servers that look down (and those just back); and whether that set
+        changed since the last snapshot (the line is then written at once)."""
         now = self._clock()
         not_up = [s for s in health.values() if s.state != "up"]
         phrases = [health_summary(not_up)] if not_up else []
@@ -219,12 +222,9 @@ class ProgressView:
             phrases.append(f"{name} back after {down_s + (now - seen_at):.0f}s")
         self._down = {s.server: (s.down_s, now) for s in not_up if s.state in ("down", "outage")}
         shown = tuple(sorted((s.server, s.state) for s in not_up))
-        note = ", ".join(phrases)
-        if shown != self._shown or back:
-            self._shown = shown
-            display.set_note(note)
-        else:
-            display.note = note  # the same servers: the next regular line shows the seconds
+        changed = shown != self._shown or bool(back)
+        self._shown = shown
+        return ", ".join(phrases), changed
 
     def close(self) -> None:
         """Write the final line (when a display was built). Idempotent."""

@@ -118,8 +118,10 @@ class ProgressDisplay:
         by_server: Mapping[str, tuple[int, float]],
         rate_count: int | None = None,
         failed_by_class: Mapping[str, int] | None = None,
+        now: bool = False,
     ) -> None:
-        """Take the counts as they stand and render if ``interval_s`` has passed since the last line.
+        """Take the counts as they stand and render if ``interval_s`` has passed since the last line (or
+        ``now``: a server's outage or return, shown at once with these counts).
 
         Args:
             done: Rollouts settled so far (successes and failures).
@@ -137,10 +139,10 @@ class ProgressDisplay:
         self.failed_by_class = dict(failed_by_class or {})
         if not self.enabled or self._closed:
             return
-        now = self._clock()
-        if self._last_render is not None and now - self._last_render < self._interval_s:
+        at = self._clock()
+        if not now and self._last_render is not None and at - self._last_render < self._interval_s:
             return
-        self._last_render = now
+        self._last_render = at
         self._write(self.render(), final=False)
 
     def render(self) -> str:

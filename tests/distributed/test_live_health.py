@@ -63,3 +63,15 @@ def test_the_line_names_a_down_server_at_once_and_its_return_once() -> None:
         "20/100 (20.0%) 2.0/s failed 0 ETA 40s | calc_env 1.00 | calc_env back after 6s",
         "30/100 (30.0%) 3.3/s failed 0 ETA 21s | calc_env 1.00",
     ]
+
+
+def test_a_server_down_at_the_first_snapshot_is_named_on_a_line_with_that_snapshots_counts() -> None:
+    # The line a health change writes at once carries the counts of the snapshot that told it: a run whose
+    # server went down before the first poll printed "0/1200 ... | calc_env down" (issue 34's CI runs).
+    out = io.StringIO()
+    view = ProgressView(stream=out, clock=lambda: 0.0, interval_s=30.0, enabled=True)
+    view(_snapshot(41, [_sample("calc_env", "down", 1.0)]))
+    view.close()
+    assert out.getvalue().splitlines() == [
+        "41/100 (41.0%) --/s failed 0 ETA -- | calc_env 1.00 | calc_env down 1s"
+    ]
