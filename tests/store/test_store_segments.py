@@ -193,4 +193,7 @@ def test_without_boto3_a_store_folder_asks_for_the_s3_extra(monkeypatch: pytest.
     monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed: its import raises
     with pytest.raises(ConfigError) as caught:
         ObjectStore("s3://runs/r1")
-    assert str(caught.value) == "a run folder on s3:// needs boto3: pip install 'gym-ray[s3]'"
+    assert str(caught.value) == (
+        "a run folder on s3:// needs boto3: pip install boto3 (or gym-ray's s3 extra, pip install -e '.[s3]' "
+        "in its checkout)"
+    )
