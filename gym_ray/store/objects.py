@@ -106,8 +106,8 @@ class ObjectStore:
                 import boto3
             except ImportError as exc:
                 raise ConfigError(
-                    f"a run folder on {self.url.scheme}:// needs boto3: pip install boto3 (or gym-ray's s3 extra, "
-                    "pip install -e '.[s3]' in its checkout)",
+                    f"a run folder on {self.url.scheme}:// needs boto3: pip install boto3 (or gym-ray's s3 "
+                    "extra, pip install -e '.[s3]' in its checkout)",
                     key="output_dir",
                 ) from exc
             from botocore.config import Config
