@@ -98,29 +98,33 @@ def restore_shard(store: ObjectStore, run_dir: Path, shard: str, head: ShardHead
     """
     paths = shard_paths(run_dir, shard)
     run_dir.mkdir(parents=True, exist_ok=True)
-    wanted: dict[str, bytearray] = {path.name: bytearray() for path in published_files(run_dir, shard)}
-    for segment in head.segments if head is not None else ():
-        got = store.get(str(segment["key"]))
-        if got is None:
-            raise StoreError(f"{store.url}: committed segment {segment['key']} is missing from the store")
-        data, at = got[0], 0
-        for name, length in segment["parts"]:
-            wanted[name] += data[at : at + length]
-            at += length
+    files = published_files(run_dir, shard)
+    parts = {path.name: path.with_name(path.name + ".restore") for path in files}
+    outs = {name: part.open("wb") for name, part in parts.items()}  # one segment in memory at a time
+    try:
+        for segment in head.segments if head is not None else ():
+            got = store.get(str(segment["key"]))
+            if got is None:
+                raise StoreError(f"{store.url}: committed segment {segment['key']} is missing from the store")
+            data, at = memoryview(got[0]), 0
+            for name, length in segment["parts"]:
+                outs[name].write(data[at : at + length])
+                at += length
+    finally:
+        for out in outs.values():
+            out.close()
     lock = ShardLock(paths.lock)
     lock.open()
     try:
         with lock.held():
             lock.write_token(b"restore:" + secrets.token_hex(8).encode())
-            for path in published_files(run_dir, shard):
-                data = bytes(wanted[path.name])
+            for path in files:
                 Path(f"{path}.idx").unlink(missing_ok=True)
-                if not data:
+                if parts[path.name].stat().st_size:
+                    os.replace(parts[path.name], path)
+                else:
+                    parts[path.name].unlink()
                     path.unlink(missing_ok=True)
-                    continue
-                part = path.with_name(path.name + ".restore")
-                part.write_bytes(data)
-                os.replace(part, path)
     finally:
         lock.close()
 
