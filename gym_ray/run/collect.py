@@ -233,9 +233,9 @@ async def _run_shard(
                 unwatch()
             await completions.aclose()
         writer.write_progress()
-    except Exception:
-        if lease is not None:  # what is recorded stays recorded: a resume runs only the rest
-            await lease.publish(quiet=True)
+    except BaseException:  # an error, or a stop (cancelled): what is recorded stays recorded
+        if lease is not None:
+            await lease.publish(quiet=True)  # then raised again: a resume runs only the rest
         raise
     finally:
         writer.close()

@@ -1,9 +1,10 @@
 """A worker's side of a shard on an object store: take it, then publish its new lines as it runs.
 
 Publication cadence: every ``store_publish_every`` records or ``store_publish_interval_s`` seconds,
-whichever comes first, and once when the shard ends (also when it ends in an error, so that what was
-recorded need not run again). Each publication is two requests (the segment, then the head), so a shard
-costs about ``2 * records / store_publish_every + 6`` requests in all.
+whichever comes first, and once when the shard ends (also when it ends in an error or is stopped by
+Ctrl-C or SIGTERM, so that what was recorded need not run again; a SIGKILL loses what was recorded since
+the last publication, which then runs again). Each publication is two requests (the segment, then the
+head), so a shard costs about ``2 * records / store_publish_every + 6`` requests in all.
 """
 
 from __future__ import annotations

@@ -195,3 +195,32 @@ def _local_run(tmp_path: Path, config: Path, bucket: Bucket) -> None:
     assert (report.ok, report.planned, report.settled) == (True, 12, 12)
     again = gym_ray(args, cwd=tmp_path, timeout_s=300)  # a rerun finds everything on the store
     assert "12 already on disk, 0 dispatched" in again.stdout, again.stdout + again.stderr
+
+
+def test_sigterm_publishes_what_was_recorded_and_the_rerun_sends_only_the_rest(
+    tmp_path: Path, servers: ThreadedDeployment, bucket: Bucket
+) -> None:
+    # one 60-row shard, publications every 1000 records: only the stop's own publication commits anything
+    url = bucket.url("r4")
+    args = _args(tmp_path, servers, url, "--workers", "1", "++shard_size=60")
+    proc = _start(args, tmp_path)
+    try:
+        _wait_for(lambda: len(_requests(servers)) >= 12, "12 requests", proc, timeout_s=300)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert (proc.returncode, stderr) == (
+        143,
+        f"gym-ray run: stopped by SIGTERM; the run folder {url} is resumable: rerun the same command to run "
+        "only what is missing\n",
+    )
+    committed = _committed(url)
+    assert len(committed) >= 8  # recorded before the stop, published by it
+    servers.reset_stats()
+    rerun = gym_ray(args, cwd=tmp_path, timeout_s=600)
+    assert (rerun.returncode, rerun.stderr) == (0, ""), rerun.stderr
+    assert f"{len(committed)} already on disk, {60 - len(committed)} dispatched" in rerun.stdout
+    assert set(_requests(servers)).isdisjoint(committed)
