@@ -6,7 +6,8 @@ cluster runs the same code as the caller. Inside the job ``RAY_ADDRESS`` is set,
 cluster instead of starting a Ray of its own.
 
 What is not shipped: the input rows and the run folder. ``input_jsonl_fpath`` and ``output_dir`` must
-name storage every node of the cluster sees (cluster/README.md, "Filesystem").
+name storage every node of the cluster sees (cluster/README.md, "Filesystem"), or ``output_dir`` an
+``s3://`` folder, reached with the cluster's own AWS SDK credentials (none of the caller's is shipped).
 """
 
 from __future__ import annotations
