@@ -140,6 +140,14 @@ def test_a_run_killed_with_sigkill_resumes_from_the_store_and_sends_only_what_is
         r"store has no lock to tell; the records are as of each shard's last publication",
         first_line(status.stdout),
     ), status.stdout
+    assert len(first) >= len(committed)
+    _rerun_sends_only_the_rest(args, tmp_path, servers, url, committed)
+
+
+def _rerun_sends_only_the_rest(
+    args: list[str], tmp_path: Path, servers: ThreadedDeployment, url: str, committed: set[tuple[int, int]]
+) -> None:
+    """The same command again: what the store committed is kept, the rest is sent once, the ledger clean."""
     servers.reset_stats()
     rerun = gym_ray(args, cwd=tmp_path, timeout_s=600)
     assert (rerun.returncode, rerun.stderr) == (0, ""), rerun.stderr
@@ -151,7 +159,6 @@ def test_a_run_killed_with_sigkill_resumes_from_the_store_and_sends_only_what_is
     assert set(second).isdisjoint(committed)  # nothing the store holds was sent again
     assert set(second) | committed == {(task, 0) for task in range(60)}
     assert sorted(second.values()) == [1] * (60 - len(committed))
-    assert len(first) >= len(committed)
     report = check_run(url)
     assert (report.ok, report.planned, report.settled, report.duplicates) == (True, 60, 60, 0)
 
@@ -219,8 +226,4 @@ def test_sigterm_publishes_what_was_recorded_and_the_rerun_sends_only_the_rest(
     )
     committed = _committed(url)
     assert len(committed) >= 8  # recorded before the stop, published by it
-    servers.reset_stats()
-    rerun = gym_ray(args, cwd=tmp_path, timeout_s=600)
-    assert (rerun.returncode, rerun.stderr) == (0, ""), rerun.stderr
-    assert f"{len(committed)} already on disk, {60 - len(committed)} dispatched" in rerun.stdout
-    assert set(_requests(servers)).isdisjoint(committed)
+    _rerun_sends_only_the_rest(args, tmp_path, servers, url, committed)
