@@ -34,6 +34,7 @@ from gym_ray.config.topology import Topology
 from gym_ray.config.tracing import TracingSettings
 from gym_ray.dispatch.head import fetch_global_config
 from gym_ray.errors import ConfigError, ServerConnectionError, UsageError
+from gym_ray.store import is_store_url
 
 __all__ = [
     "DEFAULT_HEAD_HOST",
@@ -87,10 +88,15 @@ class RunConfig:
         """
         settings = RunSettings.from_config(cfg)
         tracing = TracingSettings.from_config(cfg)
-        output_dir = settings.output_dir
-        store_url = output_dir if output_dir is not None and "://" in output_dir else None
+        store_url = settings.output_dir if is_store_url(settings.output_dir) else None
         topology = Topology.from_config(cfg)
         return cls(settings=settings, topology=topology, tracing=tracing, store_url=store_url)
+
+    @property
+    def store_to_open(self) -> bool:
+        """True when ``output_dir`` still names the object-store folder itself: the caller opens it
+        (:func:`gym_ray.store.mirror.on_store`) and runs on its local copy."""
+        return self.store_url is not None and self.settings.output_dir == self.store_url
 
     def with_share(self, max_resident_tasks: int) -> RunConfig:
         """A copy whose process admits at most ``max_resident_tasks`` rollouts (a worker's part of the

@@ -90,6 +90,7 @@ if TYPE_CHECKING:
     from gym_ray.observe.tracing import Tracer
     from gym_ray.plan.first_pass import CheckedInput
     from gym_ray.run.result import RunResult
+    from gym_ray.store.mirror import Mirror
 
 logger = logging.getLogger(__name__)
 
@@ -445,7 +446,7 @@ async def acollect(
     if require_complete:
         settings = {**settings, "require_complete": True}  # finalize_run raises when the run is incomplete
     run = await resolve_run_config(config, overrides=overrides, settings=settings)
-    if run.store_url is not None and run.settings.output_dir == run.store_url:
+    if run.store_to_open:
         from gym_ray.store.mirror import on_store  # a folder on an object store: work on a local copy
 
         async with on_store(run) as (local, publish):
@@ -477,8 +478,9 @@ async def acollect(
     with holding_run_folder(run_dir, what="collect", record=check.record, expect=check.expect) as folder:
         from gym_ray.plan.first_pass import CheckedInput, validate_ahead
 
-        if run.store_url is not None:  # the run's record and "running" state on the store from the start
-            await asyncio.to_thread(_push_own, run.store_url)
+        mirror = _mirror_of(run)
+        if mirror is not None:  # the run's record and "running" state on the store from the start
+            await asyncio.to_thread(mirror.push_changed)
 
         # Every row is validated before Ray starts; the driver actor takes the pass over.
         note = planning_note(run_settings, before_ray=True) if show and row_list is None else None
@@ -492,8 +494,10 @@ async def acollect(
             )
         finally:
             checked.discard()
-            if run.store_url is not None:  # the driver planned in its own copy: whether it did is here
-                await asyncio.to_thread(_pull_plan, run.store_url)
+            if mirror is not None:  # the driver planned in its own copy: whether it did is known here
+                from gym_ray.plan.run_manifest import RUN_MANIFEST
+
+                await asyncio.to_thread(mirror.pull_files, [RUN_MANIFEST])
         folder.finish(result.complete)
         return result
 
@@ -538,18 +542,13 @@ async def _collect_on_ray(
     return result
 
 
-def _push_own(store_url: str) -> None:
+def _mirror_of(run: RunConfig) -> Mirror | None:
+    """This process's copy of the run's object-store folder, or None for a local folder."""
+    if run.store_url is None:
+        return None
     from gym_ray.store.mirror import mirror_of
 
-    mirror_of(store_url).push_changed()
-
-
-def _pull_plan(store_url: str) -> None:
-    """Copy the run manifest the driver wrote on the store into this process's copy of the folder."""
-    from gym_ray.plan.run_manifest import RUN_MANIFEST
-    from gym_ray.store.mirror import mirror_of
-
-    mirror_of(store_url).pull_files([RUN_MANIFEST])
+    return mirror_of(run.store_url)
 
 
 def _traceparent_of(span: Any) -> str | None:

@@ -346,7 +346,7 @@ class RunCoordinator:
         self._add_spec(spec)
 
     def _add_spec(self, spec: ShardSpec) -> None:
-        if spec.run_dir != self._run_dir:  # planned in the driver's copy of a store folder: read here
+        if self._mirror is not None:  # planned in the driver's copy of a store folder: read in this one
             spec = replace(spec, run_dir=self._run_dir)
         self._planned_shards.add(spec.shard)
         self._specs.append(spec)

@@ -158,10 +158,17 @@ class ObservedState:
 _KILLED = (
     "the run's process ended without recording how (SIGKILL, the out-of-memory killer, or its node lost)"
 )
+_NO_LOCK = (
+    "a folder on an object store has no lock to tell; the records are as of each shard's last publication"
+)
 
 
 def observe_state(
-    run_dir: str | os.PathLike[str], holder: dict[str, Any] | None, *, holder_text: str | None = None
+    run_dir: str | os.PathLike[str],
+    holder: dict[str, Any] | None,
+    *,
+    holder_text: str | None = None,
+    lock: bool = True,
 ) -> ObservedState:
     """The state of ``run_dir``: its state file read together with the probe of its run lock.
 
@@ -171,7 +178,9 @@ def observe_state(
             (``what``, ``pid``, ``host``, ``started_at``), or None when nobody holds the lock.
         holder_text: The holder as one phrase (:func:`gym_ray.record.run_lock.describe_holder`).
 
-    A holder whose ``what`` is ``aggregate`` is not a run: the state is then the file's.
+    A holder whose ``what`` is ``aggregate`` is not a run: the state is then the file's. ``lock=False``: the
+    folder has no lock to probe (a copy of a folder on an object store), so a recorded ``running`` is
+    ``unknown``: running or killed.
     """
     recorded = read_state(run_dir)
     if holder is not None and holder.get("what") != "aggregate":
@@ -180,6 +189,8 @@ def observe_state(
     held = holder_text if holder is not None else None
     if recorded is None:
         return ObservedState("unknown", None, None, held, None, None, None)
+    if recorded.state == "running" and not lock:
+        return ObservedState("unknown", None, None, None, _NO_LOCK, None, recorded)
     if recorded.state == "running":
         return ObservedState("stopped", "killed", None, held, _KILLED, None, recorded)
     return ObservedState(
@@ -213,7 +224,7 @@ def describe_state(observed: ObservedState, *, last_update: float | None = None)
     """
     if observed.state == "running":
         return f"state: running ({observed.holder})"
-    if observed.state == "unknown":
+    if observed.state == "unknown" and observed.recorded is None:
         return (
             f"state: unknown (no {RUN_STATE_FILE}: the folder was written by an older gym_ray, a stream's "
             "record_dir or the helper's recording)"
@@ -221,6 +232,8 @@ def describe_state(observed: ObservedState, *, last_update: float | None = None)
     recorded = observed.recorded
     assert recorded is not None
     who = f"{recorded.what} pid {recorded.pid} on host {recorded.host}, started {_stamp(recorded.started_at)}"
+    if observed.state == "unknown":  # recorded as running, with no lock to tell (lock=False)
+        return f"state: running or killed ({who}): {observed.detail}"
     if observed.stopped_by == "killed":
         seen = f"; last update {_stamp(last_update)}" if last_update is not None else ""
         return f"state: stopped: killed ({who}): {_KILLED}{seen}"

@@ -302,11 +302,13 @@ def _aggregate_summary(run_dir: Path, name: str = AGGREGATE_FILE_NAME) -> tuple[
     return len(raw), tuple(failed)
 
 
-def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
+def run_status(run_dir: str | os.PathLike[str], *, lock: bool = True) -> RunStatus:
     """Read a run folder's status (no lock taken, nothing written).
 
     Args:
         run_dir: the run folder.
+        lock: whether the folder's run lock can be probed; False for a local copy of a folder on an object
+            store, whose state line then says "running or killed" where a lock would tell which.
 
     Returns:
         The run's state, per-shard and total counts, what resume would run, rate and ETA (while running),
@@ -324,7 +326,8 @@ def run_status(run_dir: str | os.PathLike[str]) -> RunStatus:
             f"run folder {folder} holds no shard files (rollouts-<shard>.*); pass the folder a run wrote"
         )
     holder = lock_holder(folder)  # probed before the shards are read: a run that ends meanwhile is older
-    observed = observe_state(folder, holder, holder_text=None if holder is None else describe_holder(holder))
+    holder_text = None if holder is None else describe_holder(holder)
+    observed = observe_state(folder, holder, holder_text=holder_text, lock=lock)
     shards = tuple(_shard_status(folder, label) for label in labels)
     by_class: Counter[str] = Counter()
     for shard in shards:
@@ -522,17 +525,7 @@ def status_main(args: argparse.Namespace) -> int:
 
         with folder_copy(args.run_dir) as (local, mirror):
             assert mirror is not None
-            status = mirror.published(run_status(local))
-        if status.stopped_by == "killed":  # no lock to probe on a store: a live run looks like this too
-            who = status.state_line.partition("killed (")[2].partition("): ")[0]
-            status = status.model_copy(
-                update={
-                    "state": "unknown",
-                    "stopped_by": None,
-                    "state_line": f"state: running or killed ({who}): a folder on an object store has no "
-                    "lock to tell; the records are as of each shard's last publication",
-                }
-            )
+            status = mirror.published(run_status(local, lock=False))
     else:
         status = run_status(args.run_dir)
     if getattr(args, "json", False):

@@ -398,7 +398,7 @@ async def acollect_local(
         settings = {**settings, "require_complete": True}  # finalize_run raises when the run is incomplete
     with stage_cpu_scope():  # off unless GYM_RAY_STAGE_CPU_FILE is set (gym-ray bench pipeline)
         run = await resolve_run_config(config, overrides=overrides, settings=settings)
-        if run.store_url is not None and run.settings.output_dir == run.store_url:
+        if run.store_to_open:
             from gym_ray.store.mirror import on_store  # a folder on an object store: work on a local copy
 
             async with on_store(run) as (local, published):

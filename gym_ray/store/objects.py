@@ -177,9 +177,9 @@ class ObjectStore:
             multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD
         )
         size = path.stat().st_size
-        parts = max(1, -(-size // MULTIPART_THRESHOLD)) if size >= MULTIPART_THRESHOLD else 1
-        with self._lock:
-            self.requests += parts + (2 if parts > 1 else 0) - 1  # _call counts one more
+        if size >= MULTIPART_THRESHOLD:  # create, each part, complete: all but the one _call counts
+            with self._lock:
+                self.requests += -(-size // MULTIPART_THRESHOLD) + 1
         self._call(
             "writing",
             name,
