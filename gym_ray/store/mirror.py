@@ -263,5 +263,7 @@ class Mirror:
         return result.model_copy(update=update)  # type: ignore[attr-defined, no-any-return]
 
     def close(self) -> None:
-        """Remove the stage (the store holds everything that counts)."""
+        """Remove the stage (the store holds everything that counts), and its URL's folder once empty."""
         shutil.rmtree(self.stage, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.stage.parent.rmdir()
