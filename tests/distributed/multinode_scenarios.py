@@ -249,10 +249,13 @@ async def _store_node_lost(cluster: Any, servers: Any, url: str, stage_c: Path) 
     run = asyncio.ensure_future(
         acollect(servers.config, rows=_rows(ROWS), progress=False, output_dir=url, **settings)
     )
-    await _until(lambda: _completed(servers) >= 60 or run.done(), "60 finished rollouts")
-    # the node's own copy held shard files (a worker ran there), in no folder another node can see
-    had = await asyncio.to_thread(lambda: any(stage_c.rglob("rollouts-*.jsonl")))
-    report: dict[str, Any] = {"lost_node_had_shards": had}
+
+    def holds_shards() -> bool:  # the node's own copy holds shard files: a worker took a shard there
+        return any(stage_c.rglob("rollouts-*.jsonl"))
+
+    # 60 finished rollouts and a shard taken on the node (its worker may start after the others)
+    await _until(lambda: (_completed(servers) >= 60 and holds_shards()) or run.done(), "a shard on the node")
+    report: dict[str, Any] = {"lost_node_had_shards": await asyncio.to_thread(holds_shards)}
     cluster.remove_node(node)
     result = await run
     ledger = check_run(url).as_dict()
